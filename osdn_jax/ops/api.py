@@ -1,0 +1,107 @@
+"""The public solves: validation, then dispatch to the naive oracle, the chunked XLA path or a Pallas kernel.
+
+`implementation`: "naive" (token-serial oracle), "xla" (chunkwise pure JAX), "pallas" (a kernel; on a CPU
+backend in interpret mode; raises if none supports the request) or "auto" (pallas on GPU/TPU when a kernel
+supports the shape and dtype, else xla; never naive).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from osdn_jax.ops import checks, chunked, common, naive
+
+
+def _pallas(op: str, spec, dtype, chunk_size: int):
+  import pallas_kernels  # the one place the library reaches the kernels
+  return pallas_kernels.lookup(op, spec, dtype, chunk_size, jax.default_backend())
+
+
+def _resolve(op: str, implementation: str, spec, dtype, chunk_size: int):
+  if implementation == "naive":
+    return getattr(naive, op), False
+  if implementation == "xla":
+    return getattr(chunked, op), True
+  if implementation == "auto" and jax.default_backend() == "cpu":
+    return getattr(chunked, op), True
+  kernel = _pallas(op, spec, dtype, chunk_size)
+  if kernel is not None:
+    return kernel, True
+  if implementation == "pallas":
+    raise ValueError(f"{op}: `implementation`='pallas' has no kernel for decay={spec.decay!r}, "
+                     f"K={spec.key_dim}, V={spec.value_dim}, dtype={jnp.dtype(dtype).name}, "
+                     f"chunk_size={chunk_size} on backend {jax.default_backend()!r}; use 'xla' or 'auto'")
+  return getattr(chunked, op), True
+
+
+def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, output_final_state=False,
+               scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+  """The online solve (delta rule with a separate write key) over whole sequences.
+
+  S'_t = D_t S_{t-1};  S_t = S'_t + β_t k̃_t (v_t − S'_tᵀk_t)ᵀ;  o_t = S_tᵀ(scale · q_t).
+
+  Args:
+    q, k: [B, T, H, K] queries and read (erase) keys; k_write: [B, T, H, K] or [B, T, HV, K] write keys
+      k̃ (default k). v: [B, T, HV, V], HV a multiple of H (value head i reads key head i // (HV/H)).
+    beta: [B, T, HV] gains. log_decay: None, [B, T, HV] (scalar per head) or [B, T, HV, K] (per key
+      channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros).
+    output_final_state: return the final state (else None). scale: default K ** -0.5.
+    chunk_size: 16, 32, 64 or 128. segment_ids: not supported yet. implementation: see the module doc.
+  Returns:
+    (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] in fp32 (fp64 for fp64 inputs) or None).
+  """
+  spec = checks.check_solve("delta_rule", q, k, v, beta=beta, k_write=k_write, log_decay=log_decay,
+                            initial_state=initial_state, scale=scale, chunk_size=chunk_size,
+                            segment_ids=segment_ids, implementation=implementation)
+  fn, chunk = _resolve("delta_rule", implementation, spec, q.dtype, chunk_size)
+  kw = dict(chunk_size=chunk_size) if chunk else {}
+  o, S = fn(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state, scale=scale,
+            **kw)
+  return o, (S if output_final_state else None)
+
+
+def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, output_final_state=False,
+                     scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+  """The offline solve (linear attention with decay): S_t = D_t S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t).
+
+  Shapes as `delta_rule`; `beta` [B, T, HV] is optional (default 1). For the apply-to-query (ATQ)
+  preconditioners pass the transformed query q̃ as `q`.
+  """
+  spec = checks.check_solve("linear_attention", q, k, v, beta=beta, beta_required=False,
+                            log_decay=log_decay, initial_state=initial_state, scale=scale,
+                            chunk_size=chunk_size, segment_ids=segment_ids, implementation=implementation)
+  fn, chunk = _resolve("linear_attention", implementation, spec, q.dtype, chunk_size)
+  kw = dict(chunk_size=chunk_size) if chunk else {}
+  o, S = fn(q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state, scale=scale, **kw)
+  return o, (S if output_final_state else None)
+
+
+def _step(online: bool, q, k, v, beta, state, k_write, log_decay, scale):
+  out_dtype = q.dtype
+  scale = common.default_scale(scale, q.shape[-1])
+  q, k, v, beta, k_write, log_decay, state = common.prepare(
+      q, k, v, beta, k_write, log_decay, state, head_axis=1)
+  if online:
+    state, _ = naive.online_write(state, k, k_write, v, beta, log_decay)
+  else:
+    state = naive.offline_write(state, k, v, beta, log_decay)
+  return naive.read(state, q, scale).astype(out_dtype), state
+
+
+def delta_rule_step(q, k, v, beta, state, *, k_write=None, log_decay=None, scale=None):
+  """One token of the online solve for decoding.
+
+  Args: q, k [B, H, K]; v [B, HV, V]; beta [B, HV]; state [B, HV, K, V]; k_write [B, H, K] or [B, HV, K];
+    log_decay None, [B, HV] or [B, HV, K]. Every batch row is an independent sequence with its own state.
+  Returns: (o [B, HV, V] in q.dtype, new state [B, HV, K, V] fp32).
+  """
+  checks.check_step("delta_rule_step", q, k, v, state, beta=beta, k_write=k_write, log_decay=log_decay,
+                    scale=scale)
+  return _step(True, q, k, v, beta, state, k_write, log_decay, scale)
+
+
+def linear_attention_step(q, k, v, state, *, beta=None, log_decay=None, scale=None):
+  """One token of the offline solve for decoding; shapes as `delta_rule_step`, `beta` optional."""
+  checks.check_step("linear_attention_step", q, k, v, state, beta=beta, beta_required=False,
+                    log_decay=log_decay, scale=scale)
+  return _step(False, q, k, v, beta, state, None, log_decay, scale)

@@ -1,0 +1,166 @@
+"""Up-front validation of the public ops' arguments.
+
+Every check runs on static shapes and dtypes, before anything is traced, and raises a `ValueError` that names
+the argument and the shape or dtype it should have. The result is a small `Spec` that the implementations use
+to decide the decay type and the head grouping.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+CHUNK_SIZES = (16, 32, 64, 128)
+IMPLEMENTATIONS = ("auto", "naive", "xla", "pallas")
+_FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the validated arguments describe.
+
+  batch, length: B and T (T is None for one-token steps); heads: H key heads; value_heads: HV = groups · H;
+  key_dim, value_dim: K and V; decay: "none" | "scalar" | "channel"; num_segments: N (B when unpacked).
+  """
+  batch: int
+  length: int | None
+  heads: int
+  value_heads: int
+  key_dim: int
+  value_dim: int
+  decay: str
+  num_segments: int
+
+  @property
+  def groups(self) -> int:
+    return self.value_heads // self.heads
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def _fail(op: str, name: str, expected: str, got) -> ValueError:
+  return ValueError(f"{op}: `{name}` must be {expected}, got {got}")
+
+
+def _check_float(op: str, name: str, x, *, allowed=_FLOAT_INPUTS) -> None:
+  dtype = jnp.result_type(x)
+  if not any(dtype == jnp.dtype(a) for a in allowed):
+    names = ", ".join(jnp.dtype(a).name for a in allowed)
+    raise _fail(op, name, f"a floating array ({names})", f"dtype {dtype}")
+
+
+def _check_shape(op: str, name: str, x, expected: tuple[int, ...], layout: str) -> None:
+  if x is None:
+    raise _fail(op, name, f"an array of shape {layout} = {tuple(expected)}", "None")
+  if _shape(x) != tuple(expected):
+    raise _fail(op, name, f"of shape {layout} = {tuple(expected)}", f"shape {_shape(x)}")
+
+
+def _decay_kind(op: str, log_decay, b, t, hv, kd) -> str:
+  if log_decay is None:
+    return "none"
+  lead = (b, hv) if t is None else (b, t, hv)
+  lay = "[B, HV]" if t is None else "[B, T, HV]"
+  lay_c = "[B, HV, K]" if t is None else "[B, T, HV, K]"
+  shape = _shape(log_decay)
+  _check_float(op, "log_decay", log_decay)
+  if shape == lead:
+    return "scalar"
+  if shape == lead + (kd,):
+    return "channel"
+  raise _fail(op, "log_decay", f"of shape {lay} = {lead} (scalar decay) or {lay_c} = {lead + (kd,)} "
+              "(per-channel decay)", f"shape {shape}")
+
+
+def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool):
+  qs = _shape(q)
+  rank = 3 if step else 4
+  layout = "[B, H, K]" if step else "[B, T, H, K]"
+  if len(qs) != rank:
+    raise _fail(op, "q", f"a rank-{rank} array {layout}", f"shape {qs}")
+  _check_float(op, "q", q)
+  _check_shape(op, "k", k, qs, layout)
+  _check_float(op, "k", k)
+  if jnp.result_type(k) != jnp.result_type(q):
+    raise _fail(op, "k", f"of q's dtype {jnp.result_type(q)}", f"dtype {jnp.result_type(k)}")
+  vs = _shape(v)
+  vlay = "[B, HV, V]" if step else "[B, T, HV, V]"
+  lead = qs[:-2]
+  h, kd = qs[-2:]
+  if len(vs) != rank or vs[:-2] != lead or vs[-2] % h != 0 or vs[-2] == 0:
+    raise _fail(op, "v", f"of shape {vlay} with {lead} leading and HV a multiple of H = {h}",
+                f"shape {vs}")
+  _check_float(op, "v", v)
+  if jnp.result_type(v) != jnp.result_type(q):
+    raise _fail(op, "v", f"of q's dtype {jnp.result_type(q)}", f"dtype {jnp.result_type(v)}")
+  if scale is not None and not np.isscalar(scale) and _shape(scale) != ():
+    raise _fail(op, "scale", "a scalar or None", f"shape {_shape(scale)}")
+  if chunk_size not in CHUNK_SIZES:
+    raise _fail(op, "chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
+  if implementation not in IMPLEMENTATIONS:
+    raise _fail(op, "implementation", f"one of {IMPLEMENTATIONS}", repr(implementation))
+  return qs, vs
+
+
+def _check_state(op, name, state, b, hv, kd, vd, lead_name="B"):
+  if state is None:
+    return
+  _check_shape(op, name, state, (b, hv, kd, vd), f"[{lead_name}, HV, K, V]")
+  _check_float(op, name, state, allowed=(jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
+
+
+def _check_segments(op, segment_ids, b, t) -> int:
+  if segment_ids is None:
+    return b
+  raise NotImplementedError(f"{op}: `segment_ids` (packed sequences) is not supported yet")
+
+
+def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None, log_decay=None,
+                initial_state=None, scale=None, chunk_size=64, segment_ids=None,
+                implementation="auto") -> Spec:
+  """Validates the arguments of `delta_rule` / `linear_attention`; returns their `Spec`."""
+  qs, vs = _check_common(op, q, k, v, scale, chunk_size, implementation, step=False)
+  b, t, h, kd = qs
+  hv, vd = vs[2], vs[3]
+  if beta is None:
+    if beta_required:
+      raise _fail(op, "beta", f"an array of shape [B, T, HV] = {(b, t, hv)}", "None")
+  else:
+    _check_shape(op, "beta", beta, (b, t, hv), "[B, T, HV]")
+    _check_float(op, "beta", beta)
+  if k_write is not None:
+    if _shape(k_write) not in ((b, t, h, kd), (b, t, hv, kd)):
+      raise _fail(op, "k_write", f"of shape [B, T, H, K] = {(b, t, h, kd)} or [B, T, HV, K] = "
+                  f"{(b, t, hv, kd)}", f"shape {_shape(k_write)}")
+    _check_float(op, "k_write", k_write)
+  decay = _decay_kind(op, log_decay, b, t, hv, kd)
+  n = _check_segments(op, segment_ids, b, t)
+  _check_state(op, "initial_state", initial_state, n, hv, kd, vd, "B" if segment_ids is None else "N")
+  return Spec(b, t, h, hv, kd, vd, decay, n)
+
+
+def check_step(op: str, q, k, v, state, *, beta=None, beta_required=True, k_write=None, log_decay=None,
+               scale=None) -> Spec:
+  """Validates the arguments of the one-token steps (decoding); returns their `Spec`."""
+  qs, vs = _check_common(op, q, k, v, scale, 64, "auto", step=True)
+  b, h, kd = qs
+  hv, vd = vs[1], vs[2]
+  if beta is None:
+    if beta_required:
+      raise _fail(op, "beta", f"an array of shape [B, HV] = {(b, hv)}", "None")
+  else:
+    _check_shape(op, "beta", beta, (b, hv), "[B, HV]")
+    _check_float(op, "beta", beta)
+  if k_write is not None:
+    if _shape(k_write) not in ((b, h, kd), (b, hv, kd)):
+      raise _fail(op, "k_write", f"of shape [B, H, K] = {(b, h, kd)} or [B, HV, K] = {(b, hv, kd)}",
+                  f"shape {_shape(k_write)}")
+    _check_float(op, "k_write", k_write)
+  decay = _decay_kind(op, log_decay, b, None, hv, kd)
+  if state is None:
+    raise _fail(op, "state", f"an array of shape [B, HV, K, V] = {(b, hv, kd, vd)}", "None")
+  _check_state(op, "state", state, b, hv, kd, vd)
+  return Spec(b, None, h, hv, kd, vd, decay, b)

@@ -1,0 +1,108 @@
+"""Token-serial oracles: the online (delta rule) and offline (linear attention) solves, one token at a time.
+
+This file is the specification every fast path is tested against: the recurrences of DESIGN.md §1, written as
+plainly as possible. It computes in fp32, or in fp64 when the inputs are fp64 (x64 enabled).
+
+Shapes (value heads HV = g·H; value head i reads key head i // g):
+  q, k:       [B, T, H, K]        k_write: [B, T, H, K] or [B, T, HV, K] (defaults to k)
+  v:          [B, T, HV, V]       beta:    [B, T, HV] (linear attention: optional, default 1)
+  log_decay:  None | [B, T, HV] (one decay per head) | [B, T, HV, K] (one per key channel); natural log, ≤ 0
+  state:      [B, HV, K, V]       outputs: o [B, T, HV, V] in q.dtype, final state in the compute dtype
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from osdn_jax.ops import common
+
+_HI = lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One token. Shapes without T: q, k, k_write [B, HV, K]; v [B, HV, V]; beta [B, HV]; g None, [B, HV] or
+# [B, HV, K]; S [B, HV, K, V]. These are also the decoding steps of the public API.
+# ---------------------------------------------------------------------------------------------------------
+def decay_state(S, g):
+  """S' = D S with D = 1, exp(g) (per head) or diag(exp(g)) (per key channel, scaling the rows of S)."""
+  if g is None:
+    return S
+  d = jnp.exp(g)
+  return S * (d[..., None, None] if g.ndim == S.ndim - 2 else d[..., None])
+
+
+def read(S, q, scale):
+  """o = Sᵀ (scale · q)."""
+  return jnp.einsum("...k,...kv->...v", q * scale, S, precision=_HI)
+
+
+def online_write(S, k, k_write, v, beta, g):
+  """One delta-rule step: S' = D S;  S = S' + β k̃ (v − S'ᵀk)ᵀ. Returns (S, v − S'ᵀk)."""
+  S = decay_state(S, g)
+  resid = v - jnp.einsum("...k,...kv->...v", k, S, precision=_HI)
+  return S + (beta[..., None] * k_write)[..., :, None] * resid[..., None, :], resid
+
+
+def offline_write(S, k, v, beta, g):
+  """One linear-attention step: S = D S + β k vᵀ."""
+  S = decay_state(S, g)
+  return S + (beta[..., None] * k)[..., :, None] * v[..., None, :]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole sequences: a lax.scan over time of the steps above.
+# ---------------------------------------------------------------------------------------------------------
+def _time_major(*xs):
+  return tuple(None if x is None else jnp.moveaxis(x, 1, 0) for x in xs)
+
+
+@functools.partial(jax.jit, static_argnames=("online", "emit"))
+def _serial(q, k, v, beta, k_write, log_decay, state, scale, *, online: bool, emit: str):
+  """emit="output": (o, S_T); emit="residuals": ((v − S'ᵀk, v − Sᵀk) per token, S_T)."""
+  out_dtype = q.dtype
+  scale = jnp.asarray(scale, common.compute_dtype(q.dtype))
+  q, k, v, beta, k_write, log_decay, state = common.prepare(
+      q, k, v, beta, k_write, log_decay, state, head_axis=2)
+
+  def body(S, x):
+    q_t, k_t, kw_t, v_t, b_t, g_t = x
+    if online:
+      S, pre = online_write(S, k_t, kw_t, v_t, b_t, g_t)
+    else:
+      S, pre = offline_write(S, k_t, v_t, b_t, g_t), None
+    if emit == "residuals":
+      post = v_t - jnp.einsum("...k,...kv->...v", k_t, S, precision=_HI)
+      return S, (pre, post)
+    return S, read(S, q_t, scale)
+
+  S, ys = lax.scan(body, state, _time_major(q, k, k_write, v, beta, log_decay))
+  if emit == "residuals":
+    return tuple(jnp.moveaxis(y, 0, 1) for y in ys), S
+  return jnp.moveaxis(ys, 0, 1).astype(out_dtype), S
+
+
+def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None):
+  """Token-serial online solve. Returns (o [B, T, HV, V], final state [B, HV, K, V])."""
+  scale = common.default_scale(scale, q.shape[-1])
+  return _serial(q, k, v, beta, k_write, log_decay, initial_state, scale, online=True,
+                 emit="output")
+
+
+def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, scale=None):
+  """Token-serial offline solve S_t = D_t S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t)."""
+  scale = common.default_scale(scale, q.shape[-1])
+  return _serial(q, k, v, beta, None, log_decay, initial_state, scale, online=False,
+                 emit="output")
+
+
+def delta_rule_residuals(k, v, beta, *, k_write=None, log_decay=None, initial_state=None):
+  """Per-token residuals of the online solve, measured through the recurrence.
+
+  Returns ((r_pre, r_post), S_T) with r_pre = v_t − S'_tᵀk_t (against the decayed state, before the write)
+  and r_post = v_t − S_tᵀk_t, both [B, T, HV, V]; ρ_t = ‖r_post‖² / ‖r_pre‖².
+  """
+  return _serial(k, k, v, beta, k_write, log_decay, initial_state, 1.0, online=True,
+                 emit="residuals")

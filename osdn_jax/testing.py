@@ -1,0 +1,129 @@
+"""Test helpers shared by the suites of every implementation: random inputs, the comparator, tolerances.
+
+The comparator is DESIGN.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# DESIGN.md §4: (rtol, atol) per quantity. bf16 references are fp64 on the same bf16-rounded inputs.
+FP32_TOL = (1e-5, 1e-6)
+BF16_TOL = {"o": 1e-2, "S": 1e-2, "q": 1.5e-2, "k": 1.5e-2, "k_write": 1.5e-2, "v": 1.5e-2,
+            "initial_state": 1.5e-2, "beta": 3e-2, "log_decay": 3e-2}
+BF16_ATOL = 1e-5
+
+
+def rel_rms(x, y) -> float:
+  """rms(x − y) / rms(y) in fp64 (rms(y) = 0 gives rms(x − y))."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  den = np.sqrt(np.mean(y ** 2))
+  num = np.sqrt(np.mean((x - y) ** 2))
+  return float(num / den) if den > 0 else float(num)
+
+
+def close(x, y, rtol: float, atol: float) -> bool:
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.shape != y.shape or not np.all(np.isfinite(x)):
+    return False
+  return bool(np.sqrt(np.mean((x - y) ** 2)) <= rtol * np.sqrt(np.mean(y ** 2)) + atol)
+
+
+def tolerance(name: str, dtype) -> tuple[float, float]:
+  if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return BF16_TOL[name], BF16_ATOL
+  return FP32_TOL
+
+
+def assert_trees_close(got: dict, want: dict, dtype) -> dict:
+  """Asserts every entry of `got` is close to `want` at the tolerance of its name; returns the errors."""
+  errors, bad = {}, []
+  for name, ref in want.items():
+    if ref is None:
+      continue
+    rtol, atol = tolerance(name, dtype)
+    errors[name] = rel_rms(got[name], ref)
+    if not close(got[name], ref, rtol, atol):
+      bad.append(f"{name}: rel rms {errors[name]:.3g} > rtol {rtol:g} (atol {atol:g})")
+  assert not bad, "; ".join(bad)
+  return errors
+
+
+@dataclasses.dataclass
+class Problem:
+  """One random solve problem: q, k [B,T,H,K]; v [B,T,HV,V]; beta [B,T,HV]; optional k_write, log_decay,
+  initial_state. Arrays are numpy fp64 so the same values can be cast to any dtype."""
+  q: np.ndarray
+  k: np.ndarray
+  v: np.ndarray
+  beta: np.ndarray
+  k_write: np.ndarray | None
+  log_decay: np.ndarray | None
+  initial_state: np.ndarray | None
+
+  def arrays(self, dtype, gate_dtype=jnp.float32, state_dtype=jnp.float32) -> dict:
+    """The problem's arrays as jax arrays: q, k, k_write, v in `dtype`, gates and state in their own."""
+    def cast(x, dt):
+      return None if x is None else jnp.asarray(x, dt)
+    return dict(q=cast(self.q, dtype), k=cast(self.k, dtype), v=cast(self.v, dtype),
+                beta=cast(self.beta, gate_dtype), k_write=cast(self.k_write, dtype),
+                log_decay=cast(self.log_decay, gate_dtype), initial_state=cast(self.initial_state, state_dtype))
+
+  def rounded(self, dtype) -> "Problem":
+    """The same problem with q, k, k_write, v rounded to `dtype` (so an fp64 reference sees what bf16 saw)."""
+    r = lambda x: None if x is None else np.asarray(jnp.asarray(x, dtype), np.float64)
+    return dataclasses.replace(self, q=r(self.q), k=r(self.k), v=r(self.v), k_write=r(self.k_write))
+
+
+def _unit(x):
+  return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def random_problem(seed: int, *, B=2, T=64, H=2, HV=None, K=16, V=32, decay="scalar", k_write="none",
+                   initial_state=True, decay_bias=3.0, write_spread=0.3) -> Problem:
+  """L2-normalised q, k; β = σ(N(0,1)); log-decays logσ(N(0,1) + decay_bias) (per head or per channel).
+
+  k_write: "none" (k̃ = k), "key" ([B,T,H,K]) or "value" ([B,T,HV,K]): k ⊙ m with log m ~ N(0, write_spread²)
+  clipped to ±log 1.5, as a diagonal preconditioner would write.
+  """
+  rng = np.random.default_rng(seed)
+  HV = HV or H
+  q = _unit(rng.normal(size=(B, T, H, K)))
+  k = _unit(rng.normal(size=(B, T, H, K)))
+  v = rng.normal(size=(B, T, HV, V))
+  beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(B, T, HV))))
+  kw = None
+  if k_write != "none":
+    heads = H if k_write == "key" else HV
+    m = np.exp(np.clip(write_spread * rng.normal(size=(B, T, heads, K)), -np.log(1.5), np.log(1.5)))
+    kw = np.repeat(k, heads // H, axis=2) * m
+  g = None
+  if decay != "none":
+    shape = (B, T, HV) if decay == "scalar" else (B, T, HV, K)
+    z = rng.normal(size=shape) + decay_bias
+    g = -np.logaddexp(0.0, -z)    # log σ(z)
+  s0 = rng.normal(size=(B, HV, K, V)) / np.sqrt(K) if initial_state else None
+  return Problem(q, k, v, beta, kw, g, s0)
+
+
+def vjp_all(fn, arrays: dict, seed: int = 1) -> dict:
+  """Runs fn(**arrays) → (o, S) and pulls random cotangents back to every array input.
+
+  Returns {"o", "S", and one gradient per non-None input, under the input's name}.
+  """
+  names = [n for n, x in arrays.items() if x is not None]
+  primals = [arrays[n] for n in names]
+
+  def f(*xs):
+    return fn(**dict(arrays, **dict(zip(names, xs))))
+
+  (o, S), pull = jax.vjp(f, *primals)
+  rng = np.random.default_rng(seed)
+  # Cotangents rounded to bf16 values, so that runs in any dtype pull back exactly the same ones.
+  draw = lambda x: jnp.asarray(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16), x.dtype)
+  ct = (draw(o), draw(S))
+  grads = pull(ct)
+  return dict(o=o, S=S, **dict(zip(names, grads)))
