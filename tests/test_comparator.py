@@ -54,13 +54,21 @@ def test_exclusive_cumsum_is_caught(problem, monkeypatch):
 
 
 def test_decay_after_the_write_is_caught(problem, monkeypatch):
-  def write_then_decay(S, k, k_write, v, beta, g):
-    resid = v - jnp.einsum("...k,...kv->...v", k, S)
-    S = S + (beta[..., None] * k_write)[..., :, None] * resid[..., None, :]
-    return naive.decay_state(S, g), resid
+  # The oracle's body is decay_state(S, g) followed by online_write: swap the order by making the first a
+  # no-op and decaying inside the write, after it.
+  decay, write = naive.decay_state, naive.online_write
+  pending = {}
+
+  def hold_decay(S, g):
+    pending["g"] = g
+    return S
+
+  def write_then_decay(S, k, k_write, v, beta):
+    return decay(write(S, k, k_write, v, beta), pending["g"])
 
   a = problem.arrays(jnp.float32)
   got = _run(chunked, a, chunk_size=16)
+  monkeypatch.setattr(naive, "decay_state", hold_decay)
   monkeypatch.setattr(naive, "online_write", write_then_decay)
   naive._serial.clear_cache()
   try:

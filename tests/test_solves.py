@@ -98,3 +98,17 @@ def test_padding_is_invisible(decay):
   o2, s2 = chunked.delta_rule(**padded, chunk_size=32)
   np.testing.assert_allclose(np.asarray(o2[:, :100]), np.asarray(o), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(s2), np.asarray(s), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_states_after_every_token(decay):
+  """chunked.delta_rule_states equals the oracle's state after each token."""
+  p = random_problem(12, T=45, H=2, HV=4, V=3, decay=decay, k_write="value")
+  a = p.arrays(jnp.float64, jnp.float64, jnp.float64)
+  emit = lambda S_pre, S, q, k, v, scale: S
+  want, want_last = naive.trajectory(emit, a["k"], a["v"], a["beta"], k_write=a["k_write"],
+                                     log_decay=a["log_decay"], initial_state=a["initial_state"])
+  got, last = chunked.delta_rule_states(a["k"], a["v"], a["beta"], k_write=a["k_write"],
+                                        log_decay=a["log_decay"], initial_state=a["initial_state"],
+                                        chunk_size=16)
+  assert rel_rms(got, want) < 1e-13 and rel_rms(last, want_last) < 1e-13

@@ -81,10 +81,11 @@ def _step(online: bool, q, k, v, beta, state, k_write, log_decay, scale):
   scale = common.default_scale(scale, q.shape[-1])
   q, k, v, beta, k_write, log_decay, state = common.prepare(
       q, k, v, beta, k_write, log_decay, state, head_axis=1)
+  state = naive.decay_state(state, log_decay)
   if online:
-    state, _ = naive.online_write(state, k, k_write, v, beta, log_decay)
+    state = naive.online_write(state, k, k_write, v, beta)
   else:
-    state = naive.offline_write(state, k, v, beta, log_decay)
+    state = naive.offline_write(state, k, v, beta)
   return naive.read(state, q, scale).astype(out_dtype), state
 
 

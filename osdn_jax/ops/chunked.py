@@ -137,27 +137,30 @@ def solve_unit_lower(a, rhs):
   return lax.fori_loop(0, n, body, jnp.zeros(rhs.shape, rhs.dtype))
 
 
-def _chunk_solve(q, k, k_write, v, beta, g, state, scale, *, online: bool):
-  """The chunkwise solve on chunked inputs; q, k, k_write [B, HV, NC, C, K], v [B, HV, NC, C, V],
-  beta [B, HV, NC, C], g None or [B, HV, NC, C, 1 or K], state [B, HV, K, V] → (o like v, final state)."""
-  c = q.shape[-2]
-  G = None if g is None else decay_cumsum(g)
+def _decays(G):
+  """(e^G, e^{G_C − G}, e^{G_C} shaped to scale the state's rows) for a chunk's inclusive cumsum G."""
   if G is None:
-    q_in, k_in, kw_out, gamma = q, k, k_write, None
-  else:
-    q_in = q * jnp.exp(G)                          # decay from the chunk start to token i (inclusive)
-    k_in = k * jnp.exp(G)
-    kw_out = k_write * jnp.exp(G[..., -1:, :] - G)  # decay from token j to the chunk end
-    gamma = jnp.exp(G[..., -1, :])[..., :, None]   # [B, HV, NC, 1 or K, 1]: whole-chunk decay of the state
-  scores = intra_scores(q, k_write, G)             # [B, HV, NC, C, C]
+    return None, None, None
+  return jnp.exp(G), jnp.exp(G[..., -1:, :] - G), jnp.exp(G[..., -1, :])[..., :, None]
+
+
+def _chunk_recurrence(k, k_write, v, beta, G, state, *, online: bool):
+  """The state pass: what enters each chunk and the chunk's corrected values.
+
+  k, k_write [B, HV, NC, C, K]; v [B, HV, NC, C, V]; beta [B, HV, NC, C]; G None or [B, HV, NC, C, 1|K];
+  state [B, HV, K, V]. Returns (S_in [B, HV, NC, K, V], V_new [B, HV, NC, C, V], final state).
+  """
+  c = k.shape[-2]
+  e_in, e_out, gamma = _decays(G)
   bv = beta[..., None] * v
   if online:
+    k_in = k if e_in is None else k * e_in
     a = jnp.where(_tril(c, strict=True), beta[..., None] * intra_scores(k, k_write, G), 0.0)
-    rhs = jnp.concatenate([beta[..., None] * k_in, bv], axis=-1)
-    wu = solve_unit_lower(a, rhs)
+    wu = solve_unit_lower(a, jnp.concatenate([beta[..., None] * k_in, bv], axis=-1))
     w, u = wu[..., :k.shape[-1]], wu[..., k.shape[-1]:]
   else:
     w, u = None, bv
+  kw_out = k_write if e_out is None else k_write * e_out
 
   def step(S, xs):
     w_c, u_c, kw_c, gamma_c = xs
@@ -168,9 +171,47 @@ def _chunk_solve(q, k, k_write, v, beta, g, state, scale, *, online: bool):
 
   chunk_major = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
   S, (S_in, v_new) = lax.scan(step, state, tuple(map(chunk_major, (w, u, kw_out, gamma))))
-  S_in, v_new = jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(v_new, 0, 2)
-  o = _einsum("...ck,...kv->...cv", q_in, S_in) + _einsum("...ij,...jv->...iv", scores, v_new)
+  return jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(v_new, 0, 2), S
+
+
+def _chunk_solve(q, k, k_write, v, beta, g, state, scale, *, online: bool):
+  """The chunkwise solve on chunked inputs (shapes of `_chunk_recurrence`, q like k) → (o like v, S_T)."""
+  G = None if g is None else decay_cumsum(g)
+  S_in, v_new, S = _chunk_recurrence(k, k_write, v, beta, G, state, online=online)
+  e_in = _decays(G)[0]
+  q_in = q if e_in is None else q * e_in
+  o = _einsum("...ck,...kv->...cv", q_in, S_in) + _einsum("...ij,...jv->...iv", intra_scores(q, k_write, G),
+                                                           v_new)
   return scale * o, S
+
+
+@functools.partial(jax.jit, static_argnames=("online", "chunk_size"))
+def _states(k, v, beta, k_write, log_decay, state, *, online: bool, chunk_size: int):
+  t = k.shape[1]
+  _, k, v, beta, k_write, log_decay, state = common.prepare(
+      k, k, v, beta, k_write, log_decay, state, head_axis=2)
+  if log_decay is not None and log_decay.ndim == 3:
+    log_decay = log_decay[..., None]
+  k, k_write, v, beta, g = (_to_chunks(x, chunk_size) for x in (k, k_write, v, beta, log_decay))
+  G = None if g is None else decay_cumsum(g)
+  S_in, v_new, S = _chunk_recurrence(k, k_write, v, beta, G, state, online=online)
+  # S_t = e^{G_t} ⊙ S_in + Σ_{j≤t} (e^{G_t − G_j} ⊙ k̃_j) v_newⱼᵀ, pairwise per channel: [..., C, C, 1|K].
+  c = k.shape[-2]
+  mask = _tril(c)[..., None]
+  pair = mask if G is None else _masked_exp(G[..., :, None, :] - G[..., None, :, :], mask)
+  own = S_in[..., None, :, :] if G is None else jnp.exp(G)[..., None] * S_in[..., None, :, :]
+  states = own + _einsum("...tjk,...jk,...jv->...tkv", jnp.broadcast_to(pair, pair.shape[:-1] + k.shape[-1:]),
+                         k_write, v_new)
+  return _from_chunks(states, t), S
+
+
+def delta_rule_states(k, v, beta, *, k_write=None, log_decay=None, initial_state=None, chunk_size=64):
+  """The state after every token of the online solve, chunkwise: [B, T, HV, K, V], and the final state.
+
+  Memory is T·K·V per head (plus C·C·K per chunk for per-channel decay): meant for small V, e.g. the
+  OSDN d-recurrence (V = 1) run as a delta rule.
+  """
+  return _states(k, v, beta, k_write, log_decay, initial_state, online=True, chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("online", "chunk_size"))

@@ -39,29 +39,35 @@ def read(S, q, scale):
   return jnp.einsum("...k,...kv->...v", q * scale, S, precision=_HI)
 
 
-def online_write(S, k, k_write, v, beta, g):
-  """One delta-rule step: S' = D S;  S = S' + β k̃ (v − S'ᵀk)ᵀ. Returns (S, v − S'ᵀk)."""
-  S = decay_state(S, g)
+def online_write(S, k, k_write, v, beta):
+  """The delta-rule write on the decayed state S': S = S' + β k̃ (v − S'ᵀk)ᵀ."""
   resid = v - jnp.einsum("...k,...kv->...v", k, S, precision=_HI)
-  return S + (beta[..., None] * k_write)[..., :, None] * resid[..., None, :], resid
+  return S + (beta[..., None] * k_write)[..., :, None] * resid[..., None, :]
 
 
-def offline_write(S, k, v, beta, g):
-  """One linear-attention step: S = D S + β k vᵀ."""
-  S = decay_state(S, g)
+def offline_write(S, k, v, beta):
+  """The linear-attention write on the decayed state: S = S' + β k vᵀ."""
   return S + (beta[..., None] * k)[..., :, None] * v[..., None, :]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Whole sequences: a lax.scan over time of the steps above.
+# Whole sequences: a lax.scan over time of the steps above, emitting what the caller asks for per token.
 # ---------------------------------------------------------------------------------------------------------
-def _time_major(*xs):
-  return tuple(None if x is None else jnp.moveaxis(x, 1, 0) for x in xs)
+def emit_output(S_pre, S, q, k, v, scale):
+  """o_t = S_tᵀ(scale q_t)."""
+  del S_pre, k, v
+  return read(S, q, scale)
+
+
+def emit_residuals(S_pre, S, q, k, v, scale):
+  """(v_t − S'_tᵀk_t, v_t − S_tᵀk_t): the residual against the decayed state, before and after the write."""
+  del q, scale
+  pred = lambda M: jnp.einsum("...k,...kv->...v", k, M, precision=_HI)
+  return v - pred(S_pre), v - pred(S)
 
 
 @functools.partial(jax.jit, static_argnames=("online", "emit"))
-def _serial(q, k, v, beta, k_write, log_decay, state, scale, *, online: bool, emit: str):
-  """emit="output": (o, S_T); emit="residuals": ((v − S'ᵀk, v − Sᵀk) per token, S_T)."""
+def _serial(q, k, v, beta, k_write, log_decay, state, scale, *, online: bool, emit):
   out_dtype = q.dtype
   scale = jnp.asarray(scale, common.compute_dtype(q.dtype))
   q, k, v, beta, k_write, log_decay, state = common.prepare(
@@ -69,33 +75,40 @@ def _serial(q, k, v, beta, k_write, log_decay, state, scale, *, online: bool, em
 
   def body(S, x):
     q_t, k_t, kw_t, v_t, b_t, g_t = x
-    if online:
-      S, pre = online_write(S, k_t, kw_t, v_t, b_t, g_t)
-    else:
-      S, pre = offline_write(S, k_t, v_t, b_t, g_t), None
-    if emit == "residuals":
-      post = v_t - jnp.einsum("...k,...kv->...v", k_t, S, precision=_HI)
-      return S, (pre, post)
-    return S, read(S, q_t, scale)
+    S_pre = decay_state(S, g_t)
+    S = online_write(S_pre, k_t, kw_t, v_t, b_t) if online else offline_write(S_pre, k_t, v_t, b_t)
+    return S, emit(S_pre, S, q_t, k_t, v_t, scale)
 
-  S, ys = lax.scan(body, state, _time_major(q, k, k_write, v, beta, log_decay))
-  if emit == "residuals":
-    return tuple(jnp.moveaxis(y, 0, 1) for y in ys), S
-  return jnp.moveaxis(ys, 0, 1).astype(out_dtype), S
+  time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
+  S, ys = lax.scan(body, state, tuple(map(time_major, (q, k, k_write, v, beta, log_decay))))
+  ys = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), ys)
+  if emit is emit_output:
+    ys = ys.astype(out_dtype)
+  return ys, S
+
+
+def trajectory(emit, k, v, beta=None, *, q=None, k_write=None, log_decay=None, initial_state=None,
+               scale=None, online=True):
+  """Runs the token-serial recurrence and returns (per-token emit(S'_t, S_t, q_t, k_t, v_t, scale), S_T).
+
+  `emit` is a (hashable) function of one token's decayed state S'_t, state S_t and inputs (head-expanded,
+  compute dtype); its results are stacked along axis 1. q defaults to k; beta may be None offline.
+  """
+  q = k if q is None else q
+  scale = common.default_scale(scale, q.shape[-1])
+  return _serial(q, k, v, beta, k_write, log_decay, initial_state, scale, online=online, emit=emit)
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None):
   """Token-serial online solve. Returns (o [B, T, HV, V], final state [B, HV, K, V])."""
-  scale = common.default_scale(scale, q.shape[-1])
-  return _serial(q, k, v, beta, k_write, log_decay, initial_state, scale, online=True,
-                 emit="output")
+  return trajectory(emit_output, k, v, beta, q=q, k_write=k_write, log_decay=log_decay,
+                    initial_state=initial_state, scale=scale)
 
 
 def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, scale=None):
   """Token-serial offline solve S_t = D_t S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t)."""
-  scale = common.default_scale(scale, q.shape[-1])
-  return _serial(q, k, v, beta, None, log_decay, initial_state, scale, online=False,
-                 emit="output")
+  return trajectory(emit_output, k, v, beta, q=q, log_decay=log_decay, initial_state=initial_state,
+                    scale=scale, online=False)
 
 
 def delta_rule_residuals(k, v, beta, *, k_write=None, log_decay=None, initial_state=None):
@@ -104,5 +117,5 @@ def delta_rule_residuals(k, v, beta, *, k_write=None, log_decay=None, initial_st
   Returns ((r_pre, r_post), S_T) with r_pre = v_t − S'_tᵀk_t (against the decayed state, before the write)
   and r_post = v_t − S_tᵀk_t, both [B, T, HV, V]; ρ_t = ‖r_post‖² / ‖r_pre‖².
   """
-  return _serial(k, k, v, beta, k_write, log_decay, initial_state, 1.0, online=True,
-                 emit="residuals")
+  return trajectory(emit_residuals, k, v, beta, k_write=k_write, log_decay=log_decay,
+                    initial_state=initial_state)
