@@ -1,10 +1,12 @@
-"""The main job on a small default: every solve × decay type on random data.
+"""The main job on a small default: a tour of the DGPS registry on random data.
 
-For each row: the chunked XLA path against the fp64 token-serial oracle (outputs, final state and the worst
-input gradient, relative RMS), the residual contraction q_geo (closed form from the gates and measured through
-the recurrence; online solves only) and the throughput of each implementation (forward, median of runs).
+For every named point: the chunked XLA path (fp32) against the point's own token-serial composition (fp64):
+outputs, final state and the worst gradient over all inputs (q, k, v, projected features, parameters), as
+relative RMS; then the diagnostics of the run: q_geo (closed form from the gates, and measured through the
+recurrence), the range of the per-step eigenvalues, max ‖S_t‖₂ and the recall residual of the final state on
+all stored pairs; and the forward time of each implementation.
 
-  python -m experiments.demo [--batch 2 --length 512 --heads 4 --dim 64 --chunk 64 --repeats 5]
+  python -m experiments.demo [--batch 2 --length 256 --heads 2 --value_heads 4 --dim 32 --chunk 64]
 """
 from __future__ import annotations
 
@@ -15,79 +17,89 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from osdn_jax import diagnostics, ops
-from osdn_jax.ops import chunked, naive
-from osdn_jax.testing import random_problem, rel_rms, vjp_all
+from osdn_jax import diagnostics, dgps
+from osdn_jax.testing import random_point_inputs, rel_rms
 
-FLAGS = flags.DEFINE_integer("batch", 2, "B"), flags.DEFINE_integer("length", 512, "T")
-_HEADS = flags.DEFINE_integer("heads", 4, "H (= HV)")
-_DIM = flags.DEFINE_integer("dim", 64, "K = V")
+_B = flags.DEFINE_integer("batch", 2, "B")
+_T = flags.DEFINE_integer("length", 256, "T")
+_H = flags.DEFINE_integer("heads", 2, "H (key heads)")
+_HV = flags.DEFINE_integer("value_heads", 4, "HV (value heads, a multiple of H)")
+_D = flags.DEFINE_integer("dim", 32, "K = V")
 _CHUNK = flags.DEFINE_integer("chunk", 64, "chunk size")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per implementation (median)")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per implementation (median)")
+_POINTS = flags.DEFINE_list("points", [], "registry keys to tour (default: all)")
+_EIG_TOKENS = 64   # per-step spectra are dense eigen-decompositions: only the first tokens
 
 
-SOLVES = {"dn": ("online", "none"), "gdn": ("online", "scalar"), "kda": ("online", "channel"),
-          "dn, k̃≠k": ("online-asym", "none"), "gdn, k̃≠k": ("online-asym", "scalar"),
-          "kda, k̃≠k": ("online-asym", "channel"),
-          "la": ("offline", "none"), "mamba2-style": ("offline", "scalar"), "gla-style": ("offline", "channel")}
+def _run_with_grads(point, inputs, impl, dtype, chunk):
+  cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
+
+  def loss(q, k, v, features, params):
+    o, st = point(q, k, v, features, params, output_final_state=True, chunk_size=chunk, implementation=impl)
+    w = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
+    return jnp.sum(o * w) + jnp.sum(jnp.sin(st["S"])), (o, st)
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*cast(inputs))
+  return out, grads
 
 
-def _fn(impl, solve, chunk=None):
-  kw = {} if chunk is None else dict(chunk_size=chunk)
-
-  def fn(q, k, v, beta, k_write, log_decay, initial_state):
-    if solve == "offline":
-      return impl.linear_attention(q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state, **kw)
-    return impl.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state,
-                           **kw)
-  return fn
-
-
-def _median_ms(fn, arrays, repeats):
-  f = jax.jit(lambda a: fn(**a))
-  jax.block_until_ready(f(arrays))
+def _median_ms(point, inputs, impl, chunk, repeats):
+  f = jax.jit(lambda *a: point(*a, chunk_size=chunk, implementation=impl)[0])
+  jax.block_until_ready(f(*inputs))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(f(arrays))
+    jax.block_until_ready(f(*inputs))
     times.append(time.perf_counter() - t0)
   return 1e3 * float(np.median(times))
+
+
+def _diagnostics(point, inputs):
+  x = point.prepare(*[jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs], reference=True)
+  online = point.solve == "online"
+  kw = dict(log_decay=x["log_decay"], online=online)
+  if online:
+    kw["k_write"] = x["k_write"]
+  _, spec = diagnostics.state_norms(x["k"] if online else x["k"], x["v"], x["beta"], **kw)
+  o, st = point(*[jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs], output_final_state=True,
+                implementation="naive")
+  recall = float(jnp.mean(diagnostics.recall_residual(st["S"], x["k"], x["v"])))
+  if not online:
+    return "–", "–", "–", "–", float(jnp.max(spec)), recall
+  rho = diagnostics.rho_closed_form(x["k"], x["beta"], x["k_write"])
+  rho_m = diagnostics.rho_measured(x["k"], x["v"], x["beta"], k_write=x["k_write"], log_decay=x["log_decay"])
+  cut = lambda a: None if a is None else a[:, :_EIG_TOKENS]
+  eig = diagnostics.step_eigenvalues(cut(x["k"]), cut(x["beta"]), cut(x["k_write"]), cut(x["log_decay"]))
+  return (f"{float(diagnostics.q_geo(rho)):.4f}", f"{float(diagnostics.q_geo(rho_m)):.4f}",
+          f"{float(np.min(eig.real)):+.3f}", f"{float(np.max(np.abs(eig))):.3f}", float(jnp.max(spec)), recall)
 
 
 def main(argv):
   del argv
   jax.config.update("jax_enable_x64", True)
-  b, t, h, d, c = FLAGS[0].value, FLAGS[1].value, _HEADS.value, _DIM.value, _CHUNK.value
-  tokens = b * t
-  print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={h} K=V={d} chunk={c}; "
-        "errors: relative RMS of the chunked path (fp32) against the token-serial oracle (fp64)")
-  head = (f"{'point':<12} {'decay':<8} {'err o':>8} {'err S':>8} {'err ∇':>8} {'q_geo':>7} {'q_geo*':>7} "
-          f"{'naive ms':>9} {'xla ms':>8} {'xla tok/s':>10} {'naive/xla':>9}")
+  dims = dgps.Dims(_H.value, _HV.value, _D.value, _D.value)
+  b, t, c = _B.value, _T.value, _CHUNK.value
+  print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={dims.heads} HV={dims.value_heads} "
+        f"K=V={dims.key_dim} chunk={c}; errors: relative RMS, chunked fp32 vs the point's token-serial fp64")
+  head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'q_geo':>6} {'q_geo*':>6} "
+          f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'naive ms':>8}")
   print(head + "\n" + "-" * len(head))
-  for name, (solve, decay) in SOLVES.items():
-    p = random_problem(0, B=b, T=t, H=h, K=d, V=d, decay=decay,
-                       k_write="key" if solve == "online-asym" else "none")
-    mode = "offline" if solve == "offline" else "online"
-    f32 = p.arrays(jnp.float32)
-    f64 = p.arrays(jnp.float64, jnp.float64, jnp.float64)
-    got = vjp_all(_fn(chunked, mode, c), f32)
-    want = vjp_all(_fn(naive, mode), f64)
-    grads = [n for n in want if n not in ("o", "S")]
-    err_g = max(rel_rms(got[n], want[n]) for n in grads)
-    if mode == "online":
-      rho = diagnostics.rho_closed_form(f64["k"], f64["beta"], f64["k_write"])
-      rho_m = diagnostics.rho_measured(f64["k"], f64["v"], f64["beta"], k_write=f64["k_write"],
-                                       log_decay=f64["log_decay"], initial_state=f64["initial_state"])
-      qg, qm = f"{float(diagnostics.q_geo(rho)):7.4f}", f"{float(diagnostics.q_geo(rho_m)):7.4f}"
-    else:
-      qg = qm = f"{'–':>7}"
-    ms_naive = _median_ms(_fn(naive, mode), f32, _REPEATS.value)
-    ms_xla = _median_ms(_fn(chunked, mode, c), f32, _REPEATS.value)
-    print(f"{name:<12} {decay:<8} {rel_rms(got['o'], want['o']):8.1e} {rel_rms(got['S'], want['S']):8.1e} "
-          f"{err_g:8.1e} {qg} {qm} {ms_naive:9.2f} {ms_xla:8.2f} {tokens / ms_xla * 1e3:10.3g} "
-          f"{ms_naive / ms_xla:9.2f}", flush=True)
-  print("q_geo: closed form exp(mean log (1 − β⟨k, k̃⟩)²); q_geo*: measured through the recurrence. "
-        "err ∇: the worst input gradient (q, k, k̃, v, β, log-decay, S0) under random cotangents.")
+  for name in _POINTS.value or dgps.names():
+    point = dgps.get(name)
+    inputs = random_point_inputs(point, dims, seed=0, B=b, T=t)
+    (o, st), g = _run_with_grads(point, inputs, "xla", jnp.float32, c)
+    (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "naive", jnp.float64, c)
+    err_g = max(rel_rms(a, r) for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
+    qg, qm, lo, hi, smax, recall = _diagnostics(point, inputs)
+    axes = f"{point.decay}/{point.gain}/{point.precond}/{point.solve}"
+    print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
+          f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
+          f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "
+          f"{_median_ms(point, inputs, 'naive', c, _REPEATS.value):8.2f}", flush=True)
+  print("q_geo: exp(mean log (1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
+        f"per-step transition's eigenvalues (first {_EIG_TOKENS} tokens, decay included). max‖S‖: largest "
+        "spectral norm of the state over the run. recall: mean ‖S_Tᵀk_j − v_j‖²/‖v_j‖² over all pairs. Inputs "
+        "are random projections, not a trained model: a tour of the machinery, not a comparison of variants.")
 
 
 if __name__ == "__main__":

@@ -127,3 +127,16 @@ def vjp_all(fn, arrays: dict, seed: int = 1) -> dict:
   ct = (draw(o), draw(S))
   grads = pull(ct)
   return dict(o=o, S=S, **dict(zip(names, grads)))
+
+
+def random_point_inputs(point, dims, seed: int, *, B=2, T=45, dtype=jnp.float32):
+  """Random projected inputs and initial parameters for a DGPS point: (q, k, v, features, params)."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
+  # Features as a freshly initialised layer would project them: N(0, 1) plus the projection's initial bias.
+  features = {w: {n: f(B, T, *ft.resolve(dims)) + (ft.bias or 0.0) for n, ft in fs.items()}
+              for w, fs in point.features().items()}
+  q, k = f(B, T, dims.heads, dims.key_dim), f(B, T, dims.heads, dims.key_dim)
+  v = f(B, T, dims.value_heads, dims.value_dim)
+  params = point.init_params(jax.random.key(seed), dims)
+  return q, k, v, features, params

@@ -1,4 +1,8 @@
-"""Diagnostics of the online solve: the residual contraction ρ_t and its geometric mean q_geo."""
+"""Diagnostics of the solves: residual contraction (ρ_t, q_geo), recall on stored pairs, per-step spectra and
+state norms."""
+from osdn_jax.diagnostics.recall import recall_residual
 from osdn_jax.diagnostics.residual import q_geo, rho_closed_form, rho_measured
+from osdn_jax.diagnostics.spectrum import state_norms, step_eigenvalues, write_eigenvalue
 
-__all__ = ["q_geo", "rho_closed_form", "rho_measured"]
+__all__ = ["q_geo", "recall_residual", "rho_closed_form", "rho_measured", "state_norms", "step_eigenvalues",
+           "write_eigenvalue"]

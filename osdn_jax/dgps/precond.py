@@ -1,0 +1,237 @@
+"""The P axis: diagonal preconditioners on the write key (online solve) or on the query (offline solve).
+
+Each returns `(k_write or q_tilde, final_state)`; chaining two calls through the final state equals one call.
+Shapes: keys and queries [B, T, H, K]; a per-token gate [B, T, G] where G is the number of heads it lives on
+(H for the PDN/ATQ second moment, the gain's heads — H or HV — for OSDN); states [B, G, K]. Results come back in
+the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
+
+* PDN (Preconditioned DeltaNet): A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t k_t²; z = log(A_t + ε) − c;
+  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan`.
+* ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates).
+* OSDN (Online Scaled DeltaNet): d learned online by hypergradient descent on the surrogate
+  h_t(d) = ((1 − β⟨d, k²⟩)² − 1) / (2‖k‖²); token t writes with guard(d_t ⊙ k_t), then
+  d̄_{t+1} = r_t d_t + η β_t (1 − β_t⟨d_t, k_t²⟩) k_t² / ‖k_t‖²  (APF anchor "zero"; r ≡ 1 is vanilla OSDN) or
+  d̄_{t+1} = d_init + r_t (d_t − d_init) + (same step)             (anchor "init"),  d_{t+1} = clip(d̄, d_min, d_max).
+* fixed: k̃ = guard(d ⊙ k) with a constant d (the control that credits gains to the online hypergradient).
+* exact (reference only, token-serial, meant for fp64): the full inverse Gram with gains.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from osdn_jax.ops import chunked, common
+from osdn_jax.ops.scan import affine_scan
+
+_HI = lax.Precision.HIGHEST
+_TINY_NORM = 1e-12
+_RETENTION_FLOOR = math.exp(chunked.LOG_DECAY_FLOOR)
+
+
+def _ct(*xs):
+  return common.compute_dtype(jnp.result_type(*[x for x in xs if x is not None]))
+
+
+def _on_heads(k, heads: int):
+  """Key heads expanded to the `heads` a gate lives on (GVA: head i reads key head i // g)."""
+  return common.expand_heads(k, heads, axis=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PDN and ATQ: the decayed diagonal second moment.
+# ---------------------------------------------------------------------------------------------------------
+def second_moment(k, beta_p, log_decay_p, *, initial_state=None):
+  """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
+
+  k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K]. Returns (A [B, T, H, K], A_T).
+  """
+  ct = _ct(k, beta_p, log_decay_p)
+  k = jnp.asarray(k, ct)
+  a = jnp.exp(jnp.asarray(log_decay_p, ct))[..., None]
+  b = jnp.asarray(beta_p, ct)[..., None] * k * k
+  init = None if initial_state is None else jnp.asarray(initial_state, ct)
+  return affine_scan(a, b, initial=init, axis=1)
+
+
+def pdn_scale(A, center, *, x=1.5, eps=1e-6):
+  """M = exp(−log(x) z / (1 + |z|)), z = log(A + ε) − c (c per head [H] or scalar); M ∈ (1/x, x)."""
+  z = jnp.log(A + eps) - jnp.asarray(center, A.dtype)[..., None]
+  return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
+
+
+def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None):
+  """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K])."""
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state)
+  return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
+
+
+def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None):
+  """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K])."""
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state)
+  return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OSDN: the online hypergradient write scale.
+# ---------------------------------------------------------------------------------------------------------
+def apply_guard(w, k, beta, gamma):
+  """w · min(1, γ / max(β⟨k, w⟩, 1e-12)): caps each step's β⟨k, k̃⟩ at γ (2 keeps it stable). None: off.
+
+  w, k [B, T, G, K]; beta [B, T, G].
+  """
+  if gamma is None:
+    return w
+  s = beta * jnp.sum(k * w, axis=-1)
+  return w * jnp.minimum(1.0, gamma / jnp.maximum(s, 1e-12))[..., None]
+
+
+def _bound(d, lo, hi):
+  return d if lo is None and hi is None else jnp.clip(d, lo, hi)
+
+
+def _osdn_inputs(k, beta, retention, d_init, initial_state):
+  heads = beta.shape[2]
+  ct = _ct(k, beta, retention)
+  k = jnp.asarray(_on_heads(k, heads), ct)
+  beta = jnp.asarray(beta, ct)
+  u = k * k
+  n = jnp.maximum(jnp.sum(u, axis=-1), _TINY_NORM)                    # ‖k‖², floored
+  # Retention is floored at e^−30 (≈ 1e−13), the floor every log-decay has in the chunked solves, so that the
+  # sequential and chunked d-passes are the same function (values and gradients) for every r in [0, 1].
+  r = None if retention is None else jnp.maximum(jnp.asarray(retention, ct), _RETENTION_FLOOR)
+  d_init = jnp.asarray(d_init, ct)
+  shape = (k.shape[0], heads, k.shape[-1])
+  d1 = jnp.broadcast_to(d_init, shape) if initial_state is None else jnp.asarray(initial_state, ct)
+  return k, beta, u, n, r, jnp.broadcast_to(d_init, shape[1:]), d1
+
+
+def _osdn_serial(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor):
+  """Token-serial d-pass; returns (d_t for every token [B, T, G, K], d_{T+1})."""
+  def body(d, x):
+    u_t, n_t, b_t, r_t = x
+    step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
+    if r_t is None:
+      keep = d
+    elif anchor == "zero":
+      keep = r_t[..., None] * d
+    else:
+      keep = d_init + r_t[..., None] * (d - d_init)
+    return _bound(keep + step, d_min, d_max), d
+
+  time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
+  d_last, ds = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, r))))
+  return jnp.moveaxis(ds, 0, 1), d_last
+
+
+def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
+  """The unclipped d-pass as a delta rule with a one-column state (exact; finite at β = 0).
+
+  With y = d − o (o = 0 for anchor "zero", d_init for "init"), c = ηβ²/‖k‖² and b = ηβ(1 − β⟨o, k²⟩)/‖k‖²:
+      y_{t+1} = r_t y_t − c_t k²(k²ᵀ y_t) + b_t k².
+  The delta rule S_t = D_t S_{t-1} + β' k̃' (v' − k'ᵀ D_t S_{t-1}) reads its erase key against the *decayed*
+  state, so it is this recurrence with D_t = r_t, read key k' = (c_t / r_t) k², write key k̃' = k², v' = b_t,
+  β' = 1 (r is floored at e^−30 for both forms in `_osdn_inputs`, so 1/r ≤ e^30 stays finite, and the chunk
+  form's e^{G_i} cancels it exactly). S_t = y_{t+1}: the states before each token give d_t.
+  """
+  o = d_init if anchor == "init" else jnp.zeros_like(d_init)
+  c = eta * beta * beta / n
+  b = eta * beta * (1.0 - beta * jnp.sum(o * u, -1)) / n
+  if r is None:
+    log_r, read = None, c[..., None] * u
+  else:
+    log_r = jnp.log(r)
+    read = (c * jnp.exp(-log_r))[..., None] * u
+  states, y_last = chunked.delta_rule_states(
+      read, b[..., None], jnp.ones_like(b), k_write=u, log_decay=log_r,
+      initial_state=(d1 - o)[..., None], chunk_size=chunk_size)
+  y = jnp.concatenate([(d1 - o)[:, None, :, :, None], states[:, :-1]], axis=1)[..., 0]
+  return o + y, o + y_last[..., 0]
+
+
+def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0,
+                   apf_anchor="zero", initial_state=None, method="auto", chunk_size=64):
+  """OSDN's write key k̃_t = guard(d_t ⊙ k_t), d learned online from keys and gains only.
+
+  Args:
+    k: [B, T, H, K] keys (expanded to beta's heads G ∈ {H, HV}). beta: [B, T, G] the solve's gains.
+    retention: None (r ≡ 1, vanilla OSDN) or [B, T, G] APF retention in [0, 1] (floored at e^−30, like
+      every log-decay of the solves).
+    eta, d_init (scalar or broadcastable to [G, K]), d_min, d_max (None: unbounded), guard (γ; None: off).
+    apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
+    initial_state: [B, G, K] the d that token 1 writes with (default d_init).
+    method: "sequential" (token-serial scan; any bounds), "chunked" (exact delta-rule form; only without
+      bounds) or "auto" (chunked when d_min and d_max are None, else sequential).
+  Returns:
+    (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
+  """
+  if apf_anchor not in ("zero", "init"):
+    raise ValueError(f"osdn_write_key: `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
+  if method not in ("auto", "sequential", "chunked"):
+    raise ValueError(f"osdn_write_key: `method` must be 'auto', 'sequential' or 'chunked', got {method!r}")
+  bounded = d_min is not None or d_max is not None
+  if method == "chunked" and bounded:
+    raise ValueError("osdn_write_key: `method`='chunked' is exact only without the clip: pass d_min=None and "
+                     "d_max=None, or use method='sequential'")
+  if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
+    raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
+                     f"got shape {beta.shape}")
+  if retention is not None and retention.shape != beta.shape:
+    raise ValueError(f"osdn_write_key: `retention` must have beta's shape {beta.shape}, got {retention.shape}")
+  out_dtype = k.dtype
+  kx, beta, u, n, r, d0, d1 = _osdn_inputs(k, beta, retention, d_init, initial_state)
+  if method == "sequential" or (method == "auto" and bounded):
+    ds, d_last = _osdn_serial(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor)
+  else:
+    ds, d_last = _osdn_chunked(u, n, beta, r, d1, d0, eta=eta, anchor=apf_anchor, chunk_size=chunk_size)
+  return apply_guard(ds * kx, kx, beta, guard).astype(out_dtype), d_last
+
+
+def fixed_write_key(k, beta, d, *, guard=2.0):
+  """The control point: k̃ = guard(d ⊙ k) with a constant write scale d (broadcastable to [G, K])."""
+  heads = beta.shape[2]
+  ct = _ct(k, beta)
+  kx = jnp.asarray(_on_heads(k, heads), ct)
+  return apply_guard(jnp.asarray(d, ct) * kx, kx, jnp.asarray(beta, ct), guard).astype(k.dtype), None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exact full-Gram preconditioner (reference only).
+# ---------------------------------------------------------------------------------------------------------
+def _exact_pass(k, beta, lam, emit):
+  """Token-serial inverse Gram P_t = G_t⁻¹, G_t = λI + Σ_{i≤t} β_i k_i k_iᵀ, by Sherman–Morrison."""
+  ct = _ct(k, beta)
+  heads = beta.shape[2]
+  k = jnp.asarray(_on_heads(k, heads), ct)
+  beta = jnp.asarray(beta, ct)
+  b, _, _, kd = k.shape
+  P0 = jnp.broadcast_to(jnp.eye(kd, dtype=ct) / lam, (b, heads, kd, kd))
+
+  def body(P, x):
+    k_t, b_t, extra = x
+    Pk = jnp.einsum("...ij,...j->...i", P, k_t, precision=_HI)
+    denom = 1.0 + b_t * jnp.sum(k_t * Pk, -1)
+    k_tilde = Pk / denom[..., None]                             # = G_t⁻¹ k_t
+    P_next = P - (b_t / denom)[..., None, None] * Pk[..., :, None] * Pk[..., None, :]
+    return P_next, emit(P_next, k_tilde, extra)
+
+  tm = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
+  return P0, body, tm, k, beta
+
+
+def exact_write_key(k, beta, *, lam=1.0):
+  """k̃_t = G_{t-1}⁻¹k_t / (1 + β_t k_tᵀG_{t-1}⁻¹k_t) (= G_t⁻¹k_t). Returns (k̃ [B,T,G,K], G_T⁻¹ [B,G,K,K])."""
+  P0, body, tm, kx, beta = _exact_pass(k, beta, lam, lambda P, kt, _: kt)
+  P, ks = lax.scan(body, P0, (tm(kx), tm(beta), None))
+  return jnp.moveaxis(ks, 0, 1).astype(k.dtype), P
+
+
+def exact_query(q, k, beta, *, lam=1.0):
+  """q̃_t = G_t⁻¹ q_t (token t included). Returns (q̃ [B,T,G,K], G_T⁻¹)."""
+  P0, body, tm, kx, beta = _exact_pass(k, beta, lam,
+                                       lambda P, kt, q_t: jnp.einsum("...ij,...j->...i", P, q_t, precision=_HI))
+  qx = jnp.asarray(_on_heads(q, beta.shape[2]), kx.dtype)
+  P, qs = lax.scan(body, P0, (tm(kx), tm(beta), tm(qx)))
+  return jnp.moveaxis(qs, 0, 1).astype(q.dtype), P

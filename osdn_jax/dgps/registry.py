@@ -1,0 +1,339 @@
+"""The DGPS registry: every named point is a composition of one function per axis (Decay, Gain, Preconditioner,
+Solve), and an unnamed point is composed from axis names the same way.
+
+A point runs on *projected* per-token inputs: q, k [B, T, H, K], v [B, T, HV, V] and the features each axis
+asks for (`Point.feature_shapes(dims)`: e.g. the gain's logit b [B, T, HV], the scalar decay's a [B, T, HV]),
+with the parameters of `Point.init_params`. A layer projects the features from its input; a notebook can pass
+random arrays.
+
+    point = dgps.get("pgdn")                       # or dgps.compose(decay="scalar", precond="pdn")
+    dims = dgps.Dims(heads=4, value_heads=4, key_dim=64, value_dim=64)
+    params = point.init_params(jax.random.key(0), dims)
+    o, state = point(q, k, v, features, params, output_final_state=True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from osdn_jax.dgps import decay as decay_fns
+from osdn_jax.dgps import gain as gain_fns
+from osdn_jax.dgps import naive as precond_naive
+from osdn_jax.dgps import precond as precond_fns
+from osdn_jax.dgps import solve as solve_fns
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """H key heads, HV = g·H value heads, key and value head dimensions."""
+  heads: int
+  value_heads: int
+  key_dim: int
+  value_dim: int
+
+  def __post_init__(self):
+    if self.value_heads % self.heads:
+      raise ValueError(f"Dims: `value_heads` ({self.value_heads}) must be a multiple of `heads` ({self.heads})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+  """A per-token input an axis needs, projected from the layer input.
+
+  shape: per-token shape in symbols "H", "HV", "K". bias: the projection's initial bias (None: no bias).
+  low_rank: a KDA-style low-rank projection (for per-channel gates).
+  """
+  shape: tuple[str, ...]
+  bias: float | None = None
+  low_rank: bool = False
+
+  def resolve(self, dims: Dims) -> tuple[int, ...]:
+    sizes = {"H": dims.heads, "HV": dims.value_heads, "K": dims.key_dim}
+    return tuple(sizes[s] for s in self.shape)
+
+
+@dataclasses.dataclass
+class Context:
+  """What an axis function sees: the projected inputs, its own features and parameters, the point's options."""
+  q: Any
+  k: Any
+  v: Any
+  features: Mapping[str, Any]
+  params: Mapping[str, Any]
+  options: Mapping[str, Any]
+  beta: Any = None
+  state: Any = None          # the preconditioner's carried state, if any
+  reference: bool = False    # token-serial references instead of the fast forms
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One value of one DGPS axis: the features and parameters it needs and the function that applies it."""
+  apply: Callable[[Context], Any]
+  features: Mapping[str, Feature] = dataclasses.field(default_factory=dict)
+  init: Callable[[Any, Dims, Mapping[str, Any]], dict] = lambda key, dims, opts: {}
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _shape3(c: Context):
+  return c.v.shape[:3]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Axis tables. A new axis value is one entry here; a new point is one line in POINTS.
+# ---------------------------------------------------------------------------------------------------------
+DECAYS = {
+    "none": Axis(lambda c: None),
+    "scalar": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
+                   features={"a": Feature(("HV",))},
+                   init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads,))),
+    "channel": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
+                    features={"a": Feature(("HV", "K"), low_rank=True)},
+                    init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads, d.key_dim))),
+    "constant": Axis(lambda c: decay_fns.retnet(*_shape3(c))),
+}
+
+_GAIN_LOGIT = {"b": Feature(("HV",))}
+GAINS = {
+    "sigmoid": Axis(lambda c: gain_fns.sigmoid(c.features["b"]), features=_GAIN_LOGIT),
+    "sigmoid2": Axis(lambda c: gain_fns.sigmoid2(c.features["b"]), features=_GAIN_LOGIT),
+    "one": Axis(lambda c: None if c.options["solve"] == "offline" else jnp.ones(_shape3(c), c.k.dtype)),
+    "nlms": Axis(lambda c: gain_fns.nlms(c.features["b"], c.k), features=_GAIN_LOGIT),
+    "longhorn": Axis(lambda c: gain_fns.longhorn(c.features["b"], c.k), features=_GAIN_LOGIT),
+}
+
+
+def _second_moment_gates(c: Context):
+  """βᴾ = σ(bᴾ), gᴾ = −exp(A_logᴾ) softplus(aᴾ + dt_biasᴾ): the PDN/ATQ second moment's own (untied) gates."""
+  return jax.nn.sigmoid(c.features["b"]), decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"])
+
+
+def _pdn(c: Context):
+  fn = precond_naive.pdn_write_key if c.reference else precond_fns.pdn_write_key
+  k_write, A = fn(c.k, *_second_moment_gates(c), c.params["center"], x=c.options["x"], eps=c.options["eps"],
+                  initial_state=c.state)
+  return dict(k_write=k_write), A
+
+
+def _atq(c: Context):
+  fn = precond_naive.atq_query if c.reference else precond_fns.atq_query
+  q_tilde, A = fn(c.q, c.k, *_second_moment_gates(c), lam=c.options["lam"], initial_state=c.state)
+  return dict(q_tilde=q_tilde), A
+
+
+def _osdn(c: Context):
+  o = c.options
+  retention = jax.nn.sigmoid(c.features["r"]) if "r" in c.features else None
+  k_write, d = precond_fns.osdn_write_key(
+      c.k, c.beta, retention=retention, eta=o["eta"], d_init=o["d_init"], d_min=o["d_min"], d_max=o["d_max"],
+      guard=o["guard"], apf_anchor=o["apf_anchor"], initial_state=c.state,
+      method="sequential" if c.reference else "auto")
+  return dict(k_write=k_write), d
+
+
+def _fixed(c: Context):
+  k_write, _ = precond_fns.fixed_write_key(c.k, c.beta, jnp.exp(c.params["log_d"]), guard=c.options["guard"])
+  return dict(k_write=k_write), None
+
+
+def _exact(c: Context):
+  if c.options["solve"] == "offline":
+    beta = jnp.ones(_shape3(c), c.k.dtype) if c.beta is None else c.beta
+    q_tilde, P = precond_fns.exact_query(c.q, c.k, beta, lam=c.options["lam"])
+    return dict(q_tilde=q_tilde), None
+  k_write, P = precond_fns.exact_write_key(c.k, c.beta, lam=c.options["lam"])
+  return dict(k_write=k_write), None
+
+
+def _second_moment_init(key, d: Dims, o):
+  params = decay_fns.init_gate(key, (d.heads,))
+  params["center"] = jnp.full((d.heads,), o["center_init"], jnp.float32)
+  return params
+
+
+_OSDN = dict(eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0, apf_anchor="zero")
+_APF_BIAS = {"zero": 8.0, "init": 2.0}   # σ(8) ≈ 0.9997 keeps d near d_init at the start; see DESIGN.md
+
+PRECONDS = {
+    "identity": Axis(lambda c: ({}, None)),
+    "pdn": Axis(_pdn, features={"a": Feature(("H",)), "b": Feature(("H",))}, init=_second_moment_init,
+                defaults=dict(x=1.5, eps=1e-6, center_init=-0.2)),
+    "atq": Axis(_atq, features={"a": Feature(("H",)), "b": Feature(("H",))},
+                init=lambda key, d, o: decay_fns.init_gate(key, (d.heads,)), defaults=dict(lam=1.0)),
+    "osdn": Axis(_osdn, defaults=_OSDN),
+    "osdn-apf": Axis(_osdn, features={"r": Feature(("HV",), bias=None)}, defaults=dict(_OSDN, apf_bias=None)),
+    "fixed": Axis(_fixed, init=lambda key, d, o: {
+        "log_d": jnp.full((d.value_heads, d.key_dim), jnp.log(o["d_init"]), jnp.float32)},
+                  defaults=dict(d_init=1.0, guard=2.0)),
+    "exact": Axis(_exact, defaults=dict(lam=1.0)),
+}
+
+SOLVES = solve_fns.KINDS
+_STATEFUL = ("pdn", "atq", "osdn", "osdn-apf")
+
+
+def _l2norm(x, eps=1e-6):
+  x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One point of the DGPS space. `options` override the axes' defaults (e.g. x=2.0 for PDN, eta=0.5)."""
+  name: str
+  decay: str
+  gain: str
+  precond: str
+  solve: str
+  normalize_qk: bool = True
+  options: tuple[tuple[str, Any], ...] = ()
+  doc: str = ""
+
+  def __post_init__(self):
+    for axis, table, value in (("decay", DECAYS, self.decay), ("gain", GAINS, self.gain),
+                               ("precond", PRECONDS, self.precond), ("solve", SOLVES, self.solve)):
+      if value not in table:
+        raise ValueError(f"DGPS point {self.name!r}: unknown `{axis}` {value!r}; one of {sorted(table)}")
+    if self.precond == "atq" and self.solve != "offline":
+      raise ValueError(f"DGPS point {self.name!r}: the ATQ preconditioner transforms the query of the "
+                       "offline solve; use solve='offline' (or precond='pdn' for the online solve)")
+    if self.precond in ("pdn", "osdn", "osdn-apf", "fixed") and self.solve != "online":
+      raise ValueError(f"DGPS point {self.name!r}: precond {self.precond!r} preconditions the write key of "
+                       "the online solve; use solve='online' (or precond='atq' offline)")
+    unknown = set(dict(self.options)) - set(self._axis("precond").defaults) - {"solve"}
+    if unknown:
+      raise ValueError(f"DGPS point {self.name!r}: unknown options {sorted(unknown)} for precond "
+                       f"{self.precond!r}; known: {sorted(self._axis('precond').defaults)}")
+
+  def _axis(self, which: str) -> Axis:
+    return {"decay": DECAYS, "gain": GAINS, "precond": PRECONDS}[which][getattr(self, which)]
+
+  @property
+  def opts(self) -> dict:
+    o = dict(self._axis("precond").defaults, **dict(self.options), solve=self.solve)
+    if self.precond == "osdn-apf" and o["apf_bias"] is None:
+      o["apf_bias"] = _APF_BIAS[o["apf_anchor"]]
+    return o
+
+  @property
+  def stateful_precond(self) -> bool:
+    return self.precond in _STATEFUL
+
+  def features(self) -> dict[str, dict[str, Feature]]:
+    """{axis: {name: Feature}}; the APF retention's bias init comes from the options."""
+    out = {w: dict(self._axis(w).features) for w in ("decay", "gain", "precond")}
+    if "r" in out["precond"]:
+      out["precond"]["r"] = dataclasses.replace(out["precond"]["r"], bias=self.opts["apf_bias"])
+    return out
+
+  def feature_shapes(self, dims: Dims) -> dict[str, dict[str, tuple[int, ...]]]:
+    return {w: {n: f.resolve(dims) for n, f in fs.items()} for w, fs in self.features().items()}
+
+  def init_params(self, key, dims: Dims) -> dict[str, dict]:
+    keys = jax.random.split(key, 3)
+    return {w: dict(self._axis(w).init(kk, dims, self.opts)) for w, kk in zip(("decay", "gain", "precond"), keys)}
+
+  def prepare(self, q, k, v, features, params, *, precond_state=None, reference=False) -> dict:
+    """Applies the D, G and P axes: returns the solve's inputs (q, k, v, beta, k_write, q_tilde, log_decay)
+    and the preconditioner's final state under "precond_state"."""
+    if self.normalize_qk:
+      q, k = _l2norm(q), _l2norm(k)
+    ctx = lambda w, **kw: Context(q, k, v, features.get(w, {}), params.get(w, {}), self.opts,
+                                  reference=reference, **kw)
+    log_decay = self._axis("decay").apply(ctx("decay"))
+    beta = self._axis("gain").apply(ctx("gain"))
+    written, p_state = self._axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
+    return dict(q=q, k=k, v=v, beta=beta, log_decay=log_decay, k_write=written.get("k_write"),
+                q_tilde=written.get("q_tilde"), precond_state=p_state)
+
+  def __call__(self, q, k, v, features, params, *, state=None, output_final_state=False, scale=None,
+               chunk_size=64, segment_ids=None, implementation="auto"):
+    """Runs the point. state: None or {"S": [B, HV, K, V], "precond": [B, G, K] or None}.
+
+    Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). implementation="naive" runs every axis
+    token-serially (the point's own reference composition).
+    """
+    state = state or {}
+    if segment_ids is not None and self.stateful_precond:
+      raise NotImplementedError(f"{self.name}: segment_ids with a stateful preconditioner")
+    x = self.prepare(q, k, v, features, params, precond_state=state.get("precond"),
+                     reference=implementation == "naive")
+    o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
+                           q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=state.get("S"),
+                           output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
+                           segment_ids=segment_ids, implementation=implementation)
+    return o, ({"S": S, "precond": x["precond_state"]} if output_final_state else None)
+
+  def step(self, q, k, v, features, params, state, *, scale=None):
+    """One token for decoding: q, k [B, H, K], v [B, HV, V], features per token without T; state as in
+    __call__ (required). Returns (o [B, HV, V], new state)."""
+    add_t = lambda x: x[:, None]
+    x = self.prepare(add_t(q), add_t(k), add_t(v), jax.tree.map(add_t, features), params,
+                     precond_state=state.get("precond"))
+    drop_t = lambda a: None if a is None else a[:, 0]
+    o, S = solve_fns.step(self.solve, drop_t(x["q"]), drop_t(x["k"]), drop_t(x["v"]), drop_t(x["beta"]),
+                          state["S"], k_write=drop_t(x["k_write"]), q_tilde=drop_t(x["q_tilde"]),
+                          log_decay=drop_t(x["log_decay"]), scale=scale)
+    return o, {"S": S, "precond": x["precond_state"]}
+
+
+_DN = "DeltaNet (Yang et al., NeurIPS 2024, 'Parallelizing Linear Transformers with the Delta Rule')"
+_GDN = "Gated DeltaNet (Yang, Kautz & Hatamizadeh, ICLR 2025)"
+_KDA = "Kimi Delta Attention (Kimi Linear, Moonshot AI, 2025)"
+_PDN = "Preconditioned DeltaNet (arXiv 2604.21100): diagonal second-moment preconditioner on the write key"
+_OSDN = "Online Scaled DeltaNet (arXiv 2605.13473): write scale learned online by hypergradient descent"
+_APF = _OSDN[:-1] + ", with adaptive preconditioner forgetting (APF)"
+_ATQ = "apply-to-query preconditioned form (arXiv 2604.21100, Theorem 3.1's diagonal approximation)"
+
+POINTS = {p.name: p for p in [
+    Point("dn", "none", "sigmoid", "identity", "online", doc=_DN),
+    Point("gdn", "scalar", "sigmoid", "identity", "online", doc=_GDN),
+    Point("kda", "channel", "sigmoid", "identity", "online", doc=_KDA),
+    Point("pdn", "none", "sigmoid", "pdn", "online", doc=_PDN + "; backbone " + _DN),
+    Point("pgdn", "scalar", "sigmoid", "pdn", "online", doc=_PDN + "; backbone " + _GDN),
+    Point("pkda", "channel", "sigmoid", "pdn", "online", doc=_PDN + "; backbone " + _KDA),
+    Point("osdn", "none", "sigmoid", "osdn", "online", doc=_OSDN + "; backbone " + _DN),
+    Point("osdn-gdn", "scalar", "sigmoid", "osdn", "online", doc=_OSDN + "; backbone " + _GDN),
+    Point("osdn-kda", "channel", "sigmoid", "osdn", "online", doc=_OSDN + "; backbone " + _KDA),
+    Point("osdn-apf", "none", "sigmoid", "osdn-apf", "online", doc=_APF + "; backbone " + _DN),
+    Point("osdn-apf-gdn", "scalar", "sigmoid", "osdn-apf", "online", doc=_APF + "; backbone " + _GDN),
+    Point("osdn-apf-kda", "channel", "sigmoid", "osdn-apf", "online", doc=_APF + "; backbone " + _KDA),
+    Point("dn-fixed-d", "none", "sigmoid", "fixed", "online",
+          doc="Control for OSDN (this project): DeltaNet writing with a learned constant per-channel scale d "
+              "(guarded like OSDN), so gains can be credited to the online hypergradient"),
+    Point("la", "none", "one", "identity", "offline", doc="Linear attention (Katharopoulos et al., ICML 2020)"),
+    Point("retnet", "constant", "one", "identity", "offline", doc="RetNet (Sun et al., 2023): fixed decays"),
+    Point("mamba2", "scalar", "one", "identity", "offline", doc="Mamba-2 / SSD (Dao & Gu, ICML 2024)"),
+    Point("gla", "channel", "one", "identity", "offline", doc="Gated Linear Attention (Yang et al., ICML 2024)"),
+    Point("pla", "none", "one", "atq", "offline", doc="Preconditioned linear attention: " + _ATQ),
+    Point("pmamba2", "scalar", "one", "atq", "offline", doc="Preconditioned Mamba-2: " + _ATQ),
+    Point("pgla", "channel", "one", "atq", "offline", doc="Preconditioned GLA: " + _ATQ),
+    Point("longhorn", "none", "longhorn", "identity", "online", normalize_qk=False,
+          doc="Longhorn (Liu et al., 2024): the implicit online-regression step β/(1 + β‖k‖²), raw keys"),
+    Point("nlms", "none", "nlms", "identity", "online", normalize_qk=False,
+          doc="Normalised LMS (Widrow–Hoff): β = σ(b)/(‖k‖² + ε), raw keys"),
+]}
+
+
+def names() -> list[str]:
+  return list(POINTS)
+
+
+def get(name: str, **options) -> Point:
+  """The named point (DESIGN.md's table), with its preconditioner options overridden by `options`."""
+  key = name.lower()
+  if key not in POINTS:
+    raise ValueError(f"dgps.get: unknown point {name!r}; known: {', '.join(POINTS)}")
+  p = POINTS[key]
+  return dataclasses.replace(p, options=tuple(sorted(dict(p.options, **options).items()))) if options else p
+
+
+def compose(*, decay="none", gain="sigmoid", precond="identity", solve="online", normalize_qk=True, name=None,
+            **options) -> Point:
+  """An unnamed point from axis names, e.g. compose(decay="channel", precond="osdn-apf", apf_anchor="init")."""
+  name = name or f"{decay}/{gain}/{precond}/{solve}"
+  return Point(name, decay, gain, precond, solve, normalize_qk, tuple(sorted(options.items())),
+               doc="composed from axis names")

@@ -1,0 +1,31 @@
+"""The S axis: the online solve (delta rule) and the offline solve (linear attention), one signature.
+
+`solve(kind, q, k, v, beta, k_write=None, q_tilde=None, log_decay=None, ...)`: the online solve writes with
+k_write (default k); the offline one reads with q_tilde (default q) and takes β as an optional gain.
+"""
+from __future__ import annotations
+
+from osdn_jax import ops
+
+KINDS = ("online", "offline")
+
+
+def solve(kind, q, k, v, beta=None, *, k_write=None, q_tilde=None, log_decay=None, initial_state=None,
+          output_final_state=False, scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+  common = dict(log_decay=log_decay, initial_state=initial_state, output_final_state=output_final_state,
+                scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, implementation=implementation)
+  if kind == "online":
+    return ops.delta_rule(q, k, v, beta, k_write=k_write, **common)
+  if kind == "offline":
+    return ops.linear_attention(q if q_tilde is None else q_tilde, k, v, beta=beta, **common)
+  raise ValueError(f"solve: `kind` must be one of {KINDS}, got {kind!r}")
+
+
+def step(kind, q, k, v, beta, state, *, k_write=None, q_tilde=None, log_decay=None, scale=None):
+  """One token of the solve for decoding; shapes of `ops.delta_rule_step`."""
+  if kind == "online":
+    return ops.delta_rule_step(q, k, v, beta, state, k_write=k_write, log_decay=log_decay, scale=scale)
+  if kind == "offline":
+    return ops.linear_attention_step(q if q_tilde is None else q_tilde, k, v, state, beta=beta,
+                                     log_decay=log_decay, scale=scale)
+  raise ValueError(f"solve: `kind` must be one of {KINDS}, got {kind!r}")
