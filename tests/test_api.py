@@ -202,6 +202,6 @@ def test_invalid_step_input():
                               log_decay=np.zeros((2, 3), np.float32))
   with pytest.raises(ValueError, match="`beta`"):
     ops.delta_rule(q[:, None], q[:, None], q[:, None], None)
+  q64 = q[:, None].astype(np.float64)      # no Pallas kernel takes fp64 inputs
   with pytest.raises(ValueError, match="`implementation`='pallas'"):
-    ops.delta_rule(q[:, None], q[:, None], q[:, None], np.ones((2, 1, 2), np.float32),
-                   implementation="pallas")
+    ops.delta_rule(q64, q64, q64, np.ones((2, 1, 2), np.float64), implementation="pallas")

@@ -22,6 +22,11 @@ def _resolve(op: str, implementation: str, spec, dtype, chunk_size: int):
     return getattr(naive, op), False
   if implementation == "xla":
     return getattr(chunked, op), True
+  if spec.packed:   # no kernel takes segment_ids yet
+    if implementation == "pallas":
+      raise ValueError(f"{op}: `implementation`='pallas' does not support `segment_ids` (packed sequences) "
+                       "yet; use 'xla' or 'auto'")
+    return getattr(chunked, op), True
   if implementation == "auto" and jax.default_backend() == "cpu":
     return getattr(chunked, op), True
   kernel = _pallas(op, spec, dtype, chunk_size)
@@ -34,6 +39,17 @@ def _resolve(op: str, implementation: str, spec, dtype, chunk_size: int):
   return getattr(chunked, op), True
 
 
+def _run(op, implementation, spec, chunk_size, segment_ids, output_final_state, q, *args, **kwargs):
+  fn, chunk = _resolve(op, implementation, spec, q.dtype, chunk_size)
+  if chunk:
+    kwargs["chunk_size"] = chunk_size
+  if segment_ids is not None:   # N is passed only when the per-segment final states are wanted
+    kwargs.update(segment_ids=jnp.asarray(segment_ids),
+                  num_segments=spec.num_segments if output_final_state else None)
+  o, S = fn(q, *args, **kwargs)
+  return o, (S if output_final_state else None)
+
+
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, output_final_state=False,
                scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
   """The online solve (delta rule with a separate write key) over whole sequences.
@@ -44,36 +60,45 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
     q, k: [B, T, H, K] queries and read (erase) keys; k_write: [B, T, H, K] or [B, T, HV, K] write keys
       k̃ (default k). v: [B, T, HV, V], HV a multiple of H (value head i reads key head i // (HV/H)).
     beta: [B, T, HV] gains. log_decay: None, [B, T, HV] (scalar per head) or [B, T, HV, K] (per key
-      channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros).
+      channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros; [N, HV, K, V] when packed).
     output_final_state: return the final state (else None). scale: default K ** -0.5.
-    chunk_size: 16, 32, 64 or 128. segment_ids: not supported yet. implementation: see the module doc.
+    chunk_size: 16, 32, 64 or 128. segment_ids: None or [B, T] packed sequences (below).
+    implementation: see the module doc ("pallas" does not take segment_ids yet; "auto" then uses xla).
   Returns:
-    (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] in fp32 (fp64 for fp64 inputs) or None).
+    (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] ([N, HV, K, V] when packed) in fp32 (fp64 for fp64
+    inputs) or None).
+
+  Packed sequences (`segment_ids`): an int array [B, T], non-decreasing along T in each row. A segment is a
+  maximal run of equal ids within a row (a new one starts at t = 0 and wherever the id changes); segments are
+  numbered n = 0..N-1 in row-major order of appearance, so the id values only mark boundaries
+  (`packing.segment_ids_from_cu_seqlens` converts FLA-style cu_seqlens). At the first token of segment n the
+  state restarts from initial_state[n]: S'_t = D_t S0[n]; nothing crosses a boundary, in values or gradients.
+  initial_state is then [N, HV, K, V] (default zeros) and the final state [N, HV, K, V] holds each segment's
+  state after its last token. N must be static: it is initial_state.shape[0] when given, else counted from
+  concrete ids; under jax.jit with traced ids and output_final_state=True pass initial_state (zeros are fine).
+  Without output_final_state and initial_state N is not needed, so traced ids work under jit as they are.
   """
   spec = checks.check_solve("delta_rule", q, k, v, beta=beta, k_write=k_write, log_decay=log_decay,
                             initial_state=initial_state, scale=scale, chunk_size=chunk_size,
-                            segment_ids=segment_ids, implementation=implementation)
-  fn, chunk = _resolve("delta_rule", implementation, spec, q.dtype, chunk_size)
-  kw = dict(chunk_size=chunk_size) if chunk else {}
-  o, S = fn(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state, scale=scale,
-            **kw)
-  return o, (S if output_final_state else None)
+                            segment_ids=segment_ids, output_final_state=output_final_state,
+                            implementation=implementation)
+  return _run("delta_rule", implementation, spec, chunk_size, segment_ids, output_final_state, q, k, v, beta,
+              k_write=k_write, log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
 def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, output_final_state=False,
                      scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
   """The offline solve (linear attention with decay): S_t = D_t S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t).
 
-  Shapes as `delta_rule`; `beta` [B, T, HV] is optional (default 1). For the apply-to-query (ATQ)
-  preconditioners pass the transformed query q̃ as `q`.
+  Shapes as `delta_rule` (packing included); `beta` [B, T, HV] is optional (default 1). For the
+  apply-to-query (ATQ) preconditioners pass the transformed query q̃ as `q`.
   """
   spec = checks.check_solve("linear_attention", q, k, v, beta=beta, beta_required=False,
                             log_decay=log_decay, initial_state=initial_state, scale=scale,
-                            chunk_size=chunk_size, segment_ids=segment_ids, implementation=implementation)
-  fn, chunk = _resolve("linear_attention", implementation, spec, q.dtype, chunk_size)
-  kw = dict(chunk_size=chunk_size) if chunk else {}
-  o, S = fn(q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state, scale=scale, **kw)
-  return o, (S if output_final_state else None)
+                            chunk_size=chunk_size, segment_ids=segment_ids,
+                            output_final_state=output_final_state, implementation=implementation)
+  return _run("linear_attention", implementation, spec, chunk_size, segment_ids, output_final_state, q, k, v,
+              beta=beta, log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
 def _step(online: bool, q, k, v, beta, state, k_write, log_decay, scale):
@@ -93,7 +118,9 @@ def delta_rule_step(q, k, v, beta, state, *, k_write=None, log_decay=None, scale
   """One token of the online solve for decoding.
 
   Args: q, k [B, H, K]; v [B, HV, V]; beta [B, HV]; state [B, HV, K, V]; k_write [B, H, K] or [B, HV, K];
-    log_decay None, [B, HV] or [B, HV, K]. Every batch row is an independent sequence with its own state.
+    log_decay None, [B, HV] or [B, HV, K]. Every batch row is an independent sequence with its own state:
+    rows with different histories (e.g. the per-segment final states of a packed prefill, [N, HV, K, V],
+    used as B = N rows) step together exactly as each would alone.
   Returns: (o [B, HV, V] in q.dtype, new state [B, HV, K, V] fp32).
   """
   checks.check_step("delta_rule_step", q, k, v, state, beta=beta, k_write=k_write, log_decay=log_decay,
@@ -102,7 +129,10 @@ def delta_rule_step(q, k, v, beta, state, *, k_write=None, log_decay=None, scale
 
 
 def linear_attention_step(q, k, v, state, *, beta=None, log_decay=None, scale=None):
-  """One token of the offline solve for decoding; shapes as `delta_rule_step`, `beta` optional."""
+  """One token of the offline solve for decoding; shapes as `delta_rule_step`, `beta` optional.
+
+  Every batch row is an independent sequence with its own state, as in `delta_rule_step`.
+  """
   checks.check_step("linear_attention_step", q, k, v, state, beta=beta, beta_required=False,
                     log_decay=log_decay, scale=scale)
   return _step(False, q, k, v, beta, state, None, log_decay, scale)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from osdn_jax.ops import packing
 
 CHUNK_SIZES = (16, 32, 64, 128)
 IMPLEMENTATIONS = ("auto", "naive", "xla", "pallas")
@@ -21,7 +24,8 @@ class Spec:
   """What the validated arguments describe.
 
   batch, length: B and T (T is None for one-token steps); heads: H key heads; value_heads: HV = groups · H;
-  key_dim, value_dim: K and V; decay: "none" | "scalar" | "channel"; num_segments: N (B when unpacked).
+  key_dim, value_dim: K and V; decay: "none" | "scalar" | "channel"; num_segments: N (B when unpacked; None
+  for packed sequences whose ids are traced and N is not needed); packed: segment_ids were given.
   """
   batch: int
   length: int | None
@@ -30,7 +34,8 @@ class Spec:
   key_dim: int
   value_dim: int
   decay: str
-  num_segments: int
+  num_segments: int | None
+  packed: bool = False
 
   @property
   def groups(self) -> int:
@@ -112,16 +117,44 @@ def _check_state(op, name, state, b, hv, kd, vd, lead_name="B"):
   _check_float(op, name, state, allowed=(jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
 
 
-def _check_segments(op, segment_ids, b, t) -> int:
+def _concrete(x):
+  """x as a numpy array, or None when it is traced (under jit) and its values are unknown."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_segments(op, segment_ids, initial_state, output_final_state, b, t) -> int | None:
+  """Validates `segment_ids` [B, T]; returns N (B when unpacked; None when traced ids leave it unknown)."""
   if segment_ids is None:
     return b
-  raise NotImplementedError(f"{op}: `segment_ids` (packed sequences) is not supported yet")
+  if _shape(segment_ids) != (b, t):
+    raise _fail(op, "segment_ids", f"of shape [B, T] = {(b, t)}", f"shape {_shape(segment_ids)}")
+  if not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+    raise _fail(op, "segment_ids", "an integer array", f"dtype {jnp.result_type(segment_ids)}")
+  ids = _concrete(segment_ids)
+  if ids is not None:
+    if t > 1 and np.any(ids[:, 1:] < ids[:, :-1]):
+      row = int(np.argmax(np.any(ids[:, 1:] < ids[:, :-1], axis=1)))
+      raise _fail(op, "segment_ids", "non-decreasing along T in each row", f"a decrease in row {row}")
+    return packing.num_segments(ids)
+  if initial_state is not None and np.ndim(initial_state) >= 1:
+    return _shape(initial_state)[0]
+  if output_final_state:
+    raise ValueError(f"{op}: with traced `segment_ids` the number of segments N is unknown; pass "
+                     "`initial_state` of shape [N, HV, K, V] (zeros are fine) so that N is static")
+  return None
 
 
 def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None, log_decay=None,
-                initial_state=None, scale=None, chunk_size=64, segment_ids=None,
+                initial_state=None, scale=None, chunk_size=64, segment_ids=None, output_final_state=False,
                 implementation="auto") -> Spec:
-  """Validates the arguments of `delta_rule` / `linear_attention`; returns their `Spec`."""
+  """Validates the arguments of `delta_rule` / `linear_attention`; returns their `Spec`.
+
+  With `segment_ids`, Spec.num_segments is N: counted from concrete ids (and then initial_state must be
+  [N, HV, K, V]), else initial_state.shape[0], else None (allowed only without output_final_state).
+  """
   qs, vs = _check_common(op, q, k, v, scale, chunk_size, implementation, step=False)
   b, t, h, kd = qs
   hv, vd = vs[2], vs[3]
@@ -137,9 +170,9 @@ def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None
                   f"{(b, t, hv, kd)}", f"shape {_shape(k_write)}")
     _check_float(op, "k_write", k_write)
   decay = _decay_kind(op, log_decay, b, t, hv, kd)
-  n = _check_segments(op, segment_ids, b, t)
+  n = _check_segments(op, segment_ids, initial_state, output_final_state, b, t)
   _check_state(op, "initial_state", initial_state, n, hv, kd, vd, "B" if segment_ids is None else "N")
-  return Spec(b, t, h, hv, kd, vd, decay, n)
+  return Spec(b, t, h, hv, kd, vd, decay, n, segment_ids is not None)
 
 
 def check_step(op: str, q, k, v, state, *, beta=None, beta_required=True, k_write=None, log_decay=None,

@@ -1,0 +1,233 @@
+"""The DGPS token mixer: one Flax NNX module for every point of the registry (`osdn_jax.dgps`).
+
+    q, k, v = SiLU(ShortConv(W_q x, W_k x, W_v x))      q, k [B, T, H, K], v [B, T, HV, V]
+    features = {axis: {name: W_name x}}                 what the point asks for: β logit, decay, PDN gates, APF r
+    o = point(q, k, v, features, point_params)          [B, T, HV, V] (the point L2-normalises q and k itself)
+    y = W_o (RMSNorm_V(o) [⊙ σ(W_g x) for the KDA family])
+
+What differs between DN, GDN, KDA, PDN, OSDN, LA, Mamba-2, GLA, ... is the point (its features, parameters and
+solve), never the module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from osdn_jax import dgps
+from osdn_jax.layers.conv import ShortConv
+from osdn_jax.layers.norms import RMSNorm
+
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+CHUNK_SIZES = (16, 32, 64, 128)
+
+
+def _positive(owner: str, **fields) -> None:
+  for name, value in fields.items():
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+      raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
+
+
+def check_heads(owner: str, *, d_model, num_heads, head_dim=None, num_value_heads=None, value_head_dim=None):
+  """Validates the head layout; returns (H, K, HV, V). `owner` prefixes the messages (e.g. "ModelConfig")."""
+  _positive(owner, d_model=d_model, num_heads=num_heads, head_dim=head_dim, num_value_heads=num_value_heads,
+            value_head_dim=value_head_dim)
+  if head_dim is None and d_model % num_heads:
+    raise ValueError(f"{owner}: `num_heads` ({num_heads}) must divide `d_model` ({d_model}) when `head_dim` "
+                     "is not given")
+  key_dim = head_dim or d_model // num_heads
+  value_heads = num_value_heads or num_heads
+  if value_heads % num_heads:
+    raise ValueError(f"{owner}: `num_value_heads` ({value_heads}) must be a multiple of `num_heads` "
+                     f"({num_heads}) (grouped value heads: value head i reads key head i // g)")
+  return num_heads, key_dim, value_heads, value_head_dim or key_dim
+
+
+def check_dtype(owner: str, dtype) -> None:
+  if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in COMPUTE_DTYPES):
+    raise ValueError(f"{owner}: `dtype` must be one of float32, bfloat16, float16, got {dtype!r}")
+
+
+def is_kda_family(point: dgps.Point) -> bool:
+  """The online points with a per-channel decay (kda, pkda, osdn-kda, osdn-apf-kda): gated output."""
+  return point.decay == "channel" and point.solve == "online"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerConfig:
+  """One mixer's configuration.
+
+  point: a `dgps.Point` or a registry name. H = num_heads key heads of size K = head_dim (default D // H);
+  HV = num_value_heads (default H, a multiple of H) value heads of size V = value_head_dim (default K).
+  conv_size: the short convolution's kernel. gate_rank: the rank of low-rank feature projections (KDA's
+  per-channel decay). output_gate: σ(W_g x) on the normalised output (default: the KDA family only).
+  dtype: compute dtype of activations and matmuls; parameters stay fp32, gates and states fp32.
+  out_init_scale: the output projection's init std multiplier (e.g. 1/√(2L) in a residual stack).
+  """
+  point: Any
+  d_model: int
+  num_heads: int
+  head_dim: int | None = None
+  num_value_heads: int | None = None
+  value_head_dim: int | None = None
+  conv_size: int = 4
+  gate_rank: int = 16
+  output_gate: bool | None = None
+  norm_eps: float = 1e-6
+  chunk_size: int = 64
+  implementation: str = "auto"
+  dtype: Any = jnp.float32
+  out_init_scale: float = 1.0
+
+  def __post_init__(self):
+    if isinstance(self.point, str):
+      try:
+        object.__setattr__(self, "point", dgps.get(self.point))
+      except ValueError as e:
+        raise ValueError(f"MixerConfig: unknown `point` {self.point!r}; known: {', '.join(dgps.names())}") from e
+    if not isinstance(self.point, dgps.Point):
+      raise ValueError(f"MixerConfig: `point` must be a dgps.Point or a registry name, got {self.point!r}")
+    check_heads("MixerConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
+                num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
+    _positive("MixerConfig", conv_size=self.conv_size, gate_rank=self.gate_rank)
+    if self.chunk_size not in CHUNK_SIZES:
+      raise ValueError(f"MixerConfig: `chunk_size` must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
+    check_dtype("MixerConfig", self.dtype)
+
+  @property
+  def dims(self) -> dgps.Dims:
+    h, k, hv, v = check_heads("MixerConfig", d_model=self.d_model, num_heads=self.num_heads,
+                              head_dim=self.head_dim, num_value_heads=self.num_value_heads,
+                              value_head_dim=self.value_head_dim)
+    return dgps.Dims(heads=h, value_heads=hv, key_dim=k, value_dim=v)
+
+  @property
+  def gated(self) -> bool:
+    return is_kda_family(self.point) if self.output_gate is None else bool(self.output_gate)
+
+
+class LayerCache(NamedTuple):
+  """A mixer's decoding state for B sequences.
+
+  S [B, HV, K, V] fp32 (the solve's state); precond: the preconditioner's state (PDN/ATQ second moment
+  [B, H, K], OSDN write scale [B, HV, K]) or None; conv [B, W−1, 2·H·K + HV·V]: the short convolution's
+  last W − 1 inputs (in the compute dtype).
+  """
+  S: jax.Array
+  precond: Any
+  conv: jax.Array
+
+
+class FeatureProjection(nnx.Module):
+  """x [..., D] → [..., *shape]: a Linear map, or D → rank → prod(shape) when low_rank (as KDA's gate).
+
+  The bias (on the last map) exists only when `bias` is not None and starts at that constant.
+  """
+
+  def __init__(self, d_model: int, shape: tuple[int, ...], *, bias: float | None, low_rank: bool, rank: int,
+               dtype, rngs: nnx.Rngs):
+    self.shape = tuple(shape)
+    out = math.prod(shape)
+    lin = lambda i, o, b: nnx.Linear(i, o, use_bias=b is not None, dtype=dtype, rngs=rngs,
+                                     bias_init=nnx.initializers.constant(0.0 if b is None else b))
+    self.down = lin(d_model, rank, None) if low_rank else None
+    self.proj = lin(rank if low_rank else d_model, out, bias)
+
+  def __call__(self, x):
+    h = x if self.down is None else self.down(x)
+    return self.proj(h).reshape(x.shape[:-1] + self.shape)
+
+
+def _values(tree):
+  return jax.tree.map(lambda p: p[...], tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class DGPSMixer(nnx.Module):
+  """The token mixer of every DGPS point; see the module doc.
+
+  Parameters: q_proj, k_proj [D, H·K], v_proj [D, HV·V], conv [W, 2·H·K + HV·V], one FeatureProjection per
+  feature of the point under features[axis][name], the point's own parameters under point_params[axis][name]
+  (e.g. A_log, dt_bias, PDN's centre), o_norm [V], g_proj [D, HV·V] when gated, o_proj [HV·V, D].
+  """
+
+  def __init__(self, cfg: MixerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dims = cfg.dims
+    d, h, k, hv, v = cfg.d_model, dims.heads, dims.key_dim, dims.value_heads, dims.value_dim
+    lin = lambda i, o, **kw: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype, rngs=rngs, **kw)
+    self.q_proj, self.k_proj, self.v_proj = lin(d, h * k), lin(d, h * k), lin(d, hv * v)
+    self.conv = ShortConv(2 * h * k + hv * v, cfg.conv_size, dtype=cfg.dtype, rngs=rngs)
+    self.features = nnx.Dict({
+        axis: nnx.Dict({name: FeatureProjection(d, f.resolve(dims), bias=f.bias, low_rank=f.low_rank,
+                                                rank=cfg.gate_rank, dtype=cfg.dtype, rngs=rngs)
+                        for name, f in fs.items()})
+        for axis, fs in cfg.point.features().items() if fs})
+    params = cfg.point.init_params(rngs.params(), dims)
+    self.point_params = nnx.data(jax.tree.map(lambda p: nnx.Param(jnp.asarray(p, jnp.float32)), params))
+    self.o_norm = RMSNorm(v, eps=cfg.norm_eps)
+    self.g_proj = lin(d, hv * v) if cfg.gated else None
+    self.o_proj = lin(hv * v, d, kernel_init=nnx.initializers.variance_scaling(
+        cfg.out_init_scale ** 2, "fan_in", "truncated_normal"))
+
+  # -- pieces shared by the sequence forward and the one-token step --------------------------------------
+  def _qkv(self, x):
+    return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
+  def _split_heads(self, qkv):
+    dims = self.cfg.dims
+    hk = dims.heads * dims.key_dim
+    lead = qkv.shape[:-1]
+    q = qkv[..., :hk].reshape(lead + (dims.heads, dims.key_dim))
+    k = qkv[..., hk:2 * hk].reshape(lead + (dims.heads, dims.key_dim))
+    v = qkv[..., 2 * hk:].reshape(lead + (dims.value_heads, dims.value_dim))
+    return q, k, v
+
+  def _features(self, x):
+    """The point's per-token features from x [..., D], in fp32 (gates are computed in fp32)."""
+    return {axis: {name: proj(x).astype(jnp.float32) for name, proj in fs.items()}
+            for axis, fs in self.features.items()}
+
+  def _output(self, o, x):
+    """o [..., HV, V] → head-wise RMSNorm (⊙ σ(W_g x) when gated) → W_o → [..., D]."""
+    y = self.o_norm(o.astype(jnp.float32))
+    if self.g_proj is not None:
+      y = y * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32).reshape(o.shape))
+    return self.o_proj(y.reshape(o.shape[:-2] + (-1,)).astype(self.cfg.dtype))
+
+  # -- public ---------------------------------------------------------------------------------------------
+  def __call__(self, x, *, segment_ids=None, cache: LayerCache | None = None, return_cache: bool = False):
+    """x [B, T, D] → y [B, T, D] in the compute dtype (and the cache after the last token if return_cache).
+
+    segment_ids: None or [B, T] packed sequences (nothing crosses a segment start: not the short conv, not the
+      solve); not combined with a cache. cache: the state before x (a previous prefill or step), default the
+      zero state.
+    """
+    cfg = self.cfg
+    if segment_ids is not None and (cache is not None or return_cache):
+      raise ValueError("DGPSMixer: `segment_ids` (packed sequences) cannot be combined with `cache` or "
+                       "`return_cache`; prefill each sequence in its own batch row instead")
+    x = x.astype(cfg.dtype)
+    qkv, tail = self.conv(self._qkv(x), tail=None if cache is None else cache.conv, segment_ids=segment_ids)
+    q, k, v = self._split_heads(jax.nn.silu(qkv))
+    state = None if cache is None else {"S": cache.S, "precond": cache.precond}
+    o, final = cfg.point(q, k, v, self._features(x), _values(self.point_params), state=state,
+                         output_final_state=return_cache, chunk_size=cfg.chunk_size, segment_ids=segment_ids,
+                         implementation=cfg.implementation)
+    y = self._output(o, x)
+    return (y, LayerCache(final["S"], final["precond"], tail)) if return_cache else y
+
+  def step(self, x, cache: LayerCache):
+    """One token for decoding: x [B, D], cache from `__call__(..., return_cache=True)` or a previous step.
+
+    Returns (y [B, D], the new cache). Equals the sequence forward token by token (`Point.step`).
+    """
+    x = x.astype(self.cfg.dtype)
+    qkv, tail = self.conv.step(self._qkv(x), cache.conv)
+    q, k, v = self._split_heads(jax.nn.silu(qkv))
+    o, state = self.cfg.point.step(q, k, v, self._features(x), _values(self.point_params),
+                                   {"S": cache.S, "precond": cache.precond})
+    return self._output(o, x), LayerCache(state["S"], state["precond"], tail)

@@ -1,0 +1,110 @@
+"""Language-model configurations: every registry point × every size, named "<point>-<size>" (e.g. "pgdn-340m").
+
+Sizes (FLA's recipes for the DeltaNet family; 24 layers above `tiny`, vocabulary 32000, SwiGLU width
+256·⌈(2/3·4·D)/256⌉, tied input/output embeddings):
+
+  tiny   D = 64,   2 heads × 32,   2 layers, vocab 256     (CPU tests)
+  340m   D = 1024, 8 heads × 128,  24 layers
+  1b     D = 1792, 14 heads × 128, 24 layers
+  1.3b   D = 2048, 16 heads × 128, 24 layers
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from osdn_jax import dgps
+from osdn_jax.layers import mixer as mixer_lib
+from osdn_jax.layers.mlp import hidden_width
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=64, num_heads=2, num_layers=2, vocab_size=256),
+    "340m": dict(d_model=1024, num_heads=8, num_layers=24, vocab_size=32000),
+    "1b": dict(d_model=1792, num_heads=14, num_layers=24, vocab_size=32000),
+    "1.3b": dict(d_model=2048, num_heads=16, num_layers=24, vocab_size=32000),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only LM: embedding (tied with the head), L × [RMSNorm → mixer → +, RMSNorm → SwiGLU → +],
+  final RMSNorm.
+
+  variant: a DGPS registry point (`osdn_jax.dgps.names()`); point_options override its preconditioner options
+  (e.g. (("x", 2.0),)). Heads: H = num_heads of size head_dim (default D // H); num_value_heads HV (a multiple
+  of H; default H) of size value_head_dim (default head_dim). mlp_hidden: default 256·⌈(2/3·4·D)/256⌉.
+  output_gate: default the KDA family only (see `layers.MixerConfig`). dtype: the compute dtype (activations
+  and matmuls); parameters are fp32 and the residual stream stays fp32. init_std: the embedding's init std.
+  """
+  variant: str
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  head_dim: int | None = None
+  num_value_heads: int | None = None
+  value_head_dim: int | None = None
+  mlp_hidden: int | None = None
+  conv_size: int = 4
+  gate_rank: int = 16
+  output_gate: bool | None = None
+  norm_eps: float = 1e-6
+  chunk_size: int = 64
+  implementation: str = "auto"
+  point_options: tuple[tuple[str, Any], ...] = ()
+  dtype: Any = jnp.float32
+  init_std: float = 0.02
+  name: str = ""
+
+  def __post_init__(self):
+    if not isinstance(self.variant, str) or self.variant.lower() not in dgps.POINTS:
+      raise ValueError(f"ModelConfig: unknown `variant` {self.variant!r}; known: {', '.join(dgps.names())}")
+    mixer_lib._positive("ModelConfig", vocab_size=self.vocab_size, num_layers=self.num_layers,
+                        mlp_hidden=self.mlp_hidden, conv_size=self.conv_size, gate_rank=self.gate_rank)
+    if self.chunk_size not in mixer_lib.CHUNK_SIZES:
+      raise ValueError(f"ModelConfig: `chunk_size` must be one of {mixer_lib.CHUNK_SIZES}, "
+                       f"got {self.chunk_size!r}")
+    mixer_lib.check_heads("ModelConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
+                          num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
+    mixer_lib.check_dtype("ModelConfig", self.dtype)
+    object.__setattr__(self, "point_options", tuple(sorted(dict(self.point_options).items())))
+
+  @property
+  def point(self) -> dgps.Point:
+    return dgps.get(self.variant, **dict(self.point_options))
+
+  @property
+  def hidden(self) -> int:
+    return self.mlp_hidden or hidden_width(self.d_model)
+
+  @property
+  def mixer(self) -> mixer_lib.MixerConfig:
+    return mixer_lib.MixerConfig(
+        self.point, d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
+        num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim, conv_size=self.conv_size,
+        gate_rank=self.gate_rank, output_gate=self.output_gate, norm_eps=self.norm_eps,
+        chunk_size=self.chunk_size, implementation=self.implementation, dtype=self.dtype,
+        out_init_scale=(2 * self.num_layers) ** -0.5)
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def names() -> list[str]:
+  """Every named config: "<point>-<size>" for each registry point and size."""
+  return [f"{p}-{s}" for p in dgps.names() for s in SIZES]
+
+
+def config(name: str, **overrides) -> ModelConfig:
+  """The named config ("pgdn-340m", "osdn-apf-kda-tiny", ...), with fields overridden by `overrides`
+  (e.g. dtype=jnp.bfloat16, num_value_heads=16)."""
+  variant, _, size = name.lower().rpartition("-")
+  if size not in SIZES:
+    raise ValueError(f"models.config: unknown size {size!r} in {name!r}; sizes: {', '.join(SIZES)} "
+                     "(names are '<point>-<size>', e.g. 'pgdn-340m')")
+  if variant not in dgps.POINTS:
+    raise ValueError(f"models.config: unknown `variant` {variant!r} in {name!r}; known: "
+                     f"{', '.join(dgps.names())}")
+  return ModelConfig(variant=variant, name=name.lower(), **dict(SIZES[size], **overrides))

@@ -1,0 +1,118 @@
+"""The decoder-only language model: a stack of pre-norm [DGPS mixer, SwiGLU] blocks with tied embeddings."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from osdn_jax.layers import DGPSMixer, LayerCache, RMSNorm, SwiGLU
+from osdn_jax.models.config import ModelConfig, config
+
+# The decoding state of the whole stack: a LayerCache whose leaves carry a leading layer axis [L, B, ...].
+Cache = LayerCache
+
+
+class Block(nnx.Module):
+  """h = x + mixer(RMSNorm(x)); y = h + MLP(RMSNorm(h)). The residual stream x [B, T, D] stays fp32."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype)
+    self.mixer = DGPSMixer(cfg.mixer, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype)
+    self.mlp = SwiGLU(cfg.d_model, cfg.hidden, dtype=cfg.dtype, out_init_scale=(2 * cfg.num_layers) ** -0.5,
+                      rngs=rngs)
+
+  def _mlp(self, h):
+    return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
+
+  def __call__(self, x, *, segment_ids=None, cache=None, return_cache=False):
+    """x [B, T, D] → [B, T, D] (and the mixer's LayerCache when return_cache); see `DGPSMixer.__call__`."""
+    out = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, return_cache=return_cache)
+    y, new_cache = out if return_cache else (out, None)
+    h = self._mlp(x + y.astype(x.dtype))
+    return (h, new_cache) if return_cache else h
+
+  def step(self, x, cache: LayerCache):
+    """x [B, D] one token; returns (y [B, D], new cache)."""
+    y, cache = self.mixer.step(self.mixer_norm(x), cache)
+    return self._mlp(x + y.astype(x.dtype)), cache
+
+
+class LanguageModel(nnx.Module):
+  """Token ids [B, T] → next-token logits [B, T, vocab] (fp32).
+
+  embed [vocab, D] (init N(0, init_std²)) is also the output head; blocks: L `Block`s stored stacked (every
+  parameter has a leading layer axis [L, ...]) and applied with `lax.scan`, so a step compiles one block
+  whatever L; final_norm [D].
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
+                                                                 jnp.float32))
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype)
+
+  def _scan_blocks(self, fn, x, per_layer):
+    """x ← fn(block_l, x, per_layer[l]) for l = 0..L−1 (fn returns (x, out)); returns (x, stacked outs)."""
+    graphdef, params = nnx.split(self.blocks)
+    body = lambda x, inp: fn(nnx.merge(graphdef, inp[0]), x, inp[1])
+    return jax.lax.scan(body, x, (params, per_layer))
+
+  def _logits(self, x):
+    h = self.final_norm(x)
+    return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype)).astype(jnp.float32)
+
+  def __call__(self, tokens, *, segment_ids=None, cache: Cache | None = None, return_cache: bool = False):
+    """tokens [B, T] int; segment_ids None or [B, T] (packed sequences; not with a cache).
+
+    cache: the state after a previous call (continues those sequences); return_cache: also return the state
+    after the last token, for `step` (prefill). Returns logits [B, T, vocab] fp32 (and the cache).
+    """
+    def layer(block, x, c):
+      out = block(x, segment_ids=segment_ids, cache=c, return_cache=return_cache)
+      return out if return_cache else (out, None)
+
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    x, new_cache = self._scan_blocks(layer, x, cache)
+    logits = self._logits(x)
+    return (logits, new_cache) if return_cache else logits
+
+  def step(self, token, cache: Cache):
+    """One token per sequence: token [B] int. Returns (logits [B, vocab] fp32, new cache)."""
+    x = jnp.take(self.embed[...], token, axis=0)
+    x, cache = self._scan_blocks(lambda block, x, c: block.step(x, c), x, cache)
+    return self._logits(x), cache
+
+
+def build(cfg: ModelConfig | str, *, rngs: nnx.Rngs | None = None, **overrides) -> LanguageModel:
+  """A LanguageModel from a config or a config name ("pgdn-340m"), with optional field overrides."""
+  if isinstance(cfg, str):
+    cfg = config(cfg, **overrides)
+  elif overrides:
+    cfg = cfg.replace(**overrides)
+  return LanguageModel(cfg, rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
+def param_shapes(cfg: ModelConfig | str, **overrides) -> list[tuple[tuple, jax.ShapeDtypeStruct]]:
+  """[(path, ShapeDtypeStruct)] of every parameter (paths as `nnx.to_flat_state`), nothing allocated."""
+  if isinstance(cfg, str):
+    cfg = config(cfg, **overrides)
+  elif overrides:
+    cfg = cfg.replace(**overrides)
+  model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  return [(tuple(path), jax.ShapeDtypeStruct(v.shape, v.dtype))
+          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def count_params(model_or_cfg) -> int:
+  """Total number of parameters of a model, a config or a config name (the latter two without allocation)."""
+  if isinstance(model_or_cfg, nnx.Module):
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model_or_cfg, nnx.Param)))
+  return sum(int(s.size) for _, s in param_shapes(model_or_cfg))

@@ -1,0 +1,152 @@
+"""The Pallas GPU delta rule: padding, the in-chunk decay cumsum, one `jax.custom_vjp` around the kernels.
+
+`delta_rule` has the signature and results of `osdn_jax.ops.chunked.delta_rule`. In the wrapper (plain
+JAX, differentiated by autodiff): T is zero-padded to a multiple of the chunk (β = 0, g = 0: the padded
+tokens leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed
+within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum), β is laid out
+head-major.
+Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = prep (with T) →
+state_pass → dv_local → state_bwd → grads. The forward saves only its inputs.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu import delta_rule_bwd, delta_rule_fwd
+from pallas_kernels.gpu.config import CHUNK_SIZES, DEFAULT_BLOCKS, MAX_DIM, BlockSizes, padded_dim
+from pallas_kernels.gpu.layout import Static
+
+LOG_DECAY_FLOOR = -30.0
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _solve(st: Static, q, k, kw, v, beta, G, S0):
+  return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0)
+
+
+def _solve_fwd(st, q, k, kw, v, beta, G, S0):
+  return _solve(st, q, k, kw, v, beta, G, S0), (q, k, kw, v, beta, G, S0)
+
+
+def _group_sum(x, heads):
+  """[B, T, HV, D] per value head → [B, T, heads, D] (sum over each key head's group)."""
+  b, t, hv, d = x.shape
+  return x if hv == heads else x.reshape(b, t, heads, hv // heads, d).sum(axis=3)
+
+
+def _solve_bwd(st, res, cts):
+  q, k, kw, v, beta, G, S0 = res
+  do, dS_T = cts
+  dq, dk, dkw, dv, dbeta, dG, dS0 = delta_rule_bwd.backward(
+      st, (q, k, k if kw is None else kw, v, beta, G, S0), do, dS_T)
+  dq, dk = _group_sum(dq, st.heads).astype(q.dtype), _group_sum(dk, st.heads).astype(k.dtype)
+  if kw is not None:
+    dkw = _group_sum(dkw, kw.shape[2]).astype(kw.dtype)
+  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, dS0
+
+
+_solve.defvjp(_solve_fwd, _solve_bwd)
+
+
+def _pad_to(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _chunk_cumsum(g, chunk):
+  """Inclusive cumsum within chunks along axis 1 of g [B, T, ...] (T a multiple of chunk)."""
+  b, t = g.shape[:2]
+  return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "chunk_size", "blocks", "interpret", "low_precision"))
+def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, *, scale, chunk_size, blocks,
+                interpret, low_precision):
+  b, t, h, kd = q.shape
+  hv, vd = v.shape[2:]
+  dtype = q.dtype
+  tp = -(-t // chunk_size) * chunk_size
+  kp, vp = padded_dim(kd), padded_dim(vd)
+  if scale is None:                       # a traced scale: applied to q, the kernels use scale 1
+    q = (q * scale_arr).astype(dtype)
+    scale = 1.0
+
+  def tokens(x, width):
+    return _pad_to(_pad_to(x, 1, tp), 3, width)
+
+  q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
+  kw = None if k_write is None else tokens(k_write.astype(dtype), kp)
+  beta = jnp.swapaxes(_pad_to(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
+  if log_decay is None:
+    decay, G = "none", None
+  else:
+    g = _pad_to(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
+    if log_decay.ndim == 3:
+      decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
+    else:
+      decay, G = "channel", _chunk_cumsum(_pad_to(g, 3, kp), chunk_size)         # [B, T, HV, K]
+  if initial_state is None:
+    S0 = jnp.zeros((b, hv, kp, vp), jnp.float32)
+  else:
+    S0 = _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, kp), 3, vp)
+  st = Static(batch=b, length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
+              key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
+              same_keys=kw is None, blocks=blocks, interpret=interpret,
+              low_precision=low_precision and dtype == jnp.bfloat16)
+  o, S = _solve(st, q, k, kw, v, beta, G, S0)
+  return o[:, :t, :, :vd], S[:, :, :kd, :vd]
+
+
+def _static_scale(scale, key_dim):
+  """(python float, None) for a concrete scale; (None, array) for a traced one."""
+  if scale is None:
+    return key_dim ** -0.5, None
+  try:
+    return float(scale), None
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None, jnp.asarray(scale, jnp.float32)
+
+
+def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
+               blocks: BlockSizes = DEFAULT_BLOCKS, interpret: bool | None = None,
+               bf16_matmuls: bool = True):
+  """Chunkwise online solve with Pallas kernels (Triton on GPU, interpret mode on CPU).
+
+  Shapes as `osdn_jax.ops.chunked.delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV];
+  k_write [B, T, H or HV, K] (cast to q.dtype); log_decay None, [B, T, HV] or [B, T, HV, K];
+  initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
+  `blocks` sets tile sizes; `interpret` defaults to True on a CPU backend. With bf16 inputs and
+  `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ takes bf16 operands (fp32
+  accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every dot
+  in IEEE fp32.
+  """
+  blocks.check(chunk_size)
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
+  if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
+    raise ValueError(f"delta_rule (pallas gpu): K and V must be ≤ {MAX_DIM}")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  static_scale, scale_arr = _static_scale(scale, q.shape[-1])
+  return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, scale=static_scale,
+                     chunk_size=chunk_size, blocks=blocks, interpret=interpret,
+                     low_precision=bf16_matmuls)
+
+
+def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
+  """Compiled on "gpu"; the same kernels in interpret mode on "cpu"; bf16/fp32, K, V ≤ 256, unpacked."""
+  return (platform in ("gpu", "cpu")
+          and jnp.dtype(dtype) in SUPPORTED_DTYPES
+          and chunk_size in CHUNK_SIZES
+          and spec.length is not None
+          and 1 <= spec.key_dim <= MAX_DIM and 1 <= spec.value_dim <= MAX_DIM
+          and spec.decay in ("none", "scalar", "channel")
+          and not getattr(spec, "packed", False))       # no segment_ids (packed sequences) yet

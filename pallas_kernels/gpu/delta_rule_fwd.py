@@ -1,0 +1,198 @@
+"""Forward kernels of the chunkwise online solve (DESIGN.md §2), for one padded problem (`layout.Static`).
+
+1. `prep`   chunk-parallel, grid (B, HV, NC): the decayed Gram
+            A = strictLower(diag(β)(K⊙e^G)(K̃⊙e^−G)ᵀ), T = (I + A)⁻¹, W = T diag(β)(K⊙e^G) [C, K] and
+            U = T diag(β) V [C, V]; optionally T itself.
+2. `state_pass`  sequential, grid (B, HV, V/BV): a fori_loop over chunks with the fp32 state [K, BV] in
+            registers: V_new = U − W S, S ← e^{G_C} ⊙ S + (K̃ ⊙ e^{G_C − G})ᵀ V_new; emits the state
+            entering every chunk, V_new and the final state.
+3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu import layout as L
+from pallas_kernels.gpu.chunk_math import F32, ChunkDecay, Pairs, dot, invert_blocks, last_row, row_scale, \
+    sub_rows
+from pallas_kernels.gpu.config import pallas_call
+
+
+def _split(refs, *counts):
+  """Splits a flat ref list into groups of the given sizes (0 → None)."""
+  out, i = [], 0
+  for n in counts:
+    out.append(refs[i] if n == 1 else (None if n == 0 else refs[i:i + n]))
+    i += n
+  return out
+
+
+def chunk_decay_rows(st, g_ref, t0):
+  """G of the chunk starting at token t0 from a whole-sequence ref: [C] or [C, K] (None without decay)."""
+  if st.decay == "none":
+    return None
+  if st.decay == "scalar":
+    return g_ref[pl.ds(t0, st.chunk)].astype(F32)
+  return g_ref[pl.ds(t0, st.chunk), :].astype(F32)
+
+
+def decay_to_end(st, G):
+  """(e^{G_C − G} as a row factor, e^{G_C} as a factor on the state's rows) for a chunk's G."""
+  gl = last_row(G)
+  if st.decay == "scalar":
+    return jnp.exp(gl - G), jnp.exp(gl)
+  return jnp.exp(gl[None, :] - G), jnp.exp(gl)[:, None]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. W, U (and T) per chunk.
+# ---------------------------------------------------------------------------------------------------------
+def _prep_kernel(st, emit_t, *refs):
+  has_g = st.decay != "none"
+  k_ref, kw_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref = _split(
+      refs, 1, 1, 1, 1, int(has_g), 1, 1, int(emit_t))
+  s, n = st.sub, st.num_sub
+  dec = ChunkDecay(st.decay, g_ref, s, n)
+  pairs = Pairs(dec)
+  k = [sub_rows(k_ref, a, s) for a in range(n)]
+  kw = [sub_rows(kw_ref, a, s) for a in range(n)]
+  beta = [sub_rows(beta_ref, a, s).astype(F32)[:, None] for a in range(n)]
+  A = {(a, b): beta[a] * pairs.scores(k, kw, a, b, strict=True, exact=True)
+       for a in range(n) for b in range(a + 1)}
+  T = invert_blocks(A, n)
+  kb = [st.lo(beta[b] * row_scale(k[b].astype(F32), dec.rows(b))) for b in range(n)]
+  bv = [st.lo(beta[b] * sub_rows(v_ref, b, s).astype(F32)) for b in range(n)]
+  Tl = {ab: st.lo(t) for ab, t in T.items()}
+  for a in range(n):
+    w, u = dot(Tl[a, 0], kb[0]), dot(Tl[a, 0], bv[0])
+    for b in range(1, a + 1):
+      w, u = w + dot(Tl[a, b], kb[b]), u + dot(Tl[a, b], bv[b])
+    w_ref[a * s:(a + 1) * s, :] = w.astype(w_ref.dtype)
+    u_ref[a * s:(a + 1) * s, :] = u.astype(u_ref.dtype)
+    if emit_t:
+      for b in range(n):
+        blk = T[a, b] if b <= a else jnp.zeros((s, s), F32)
+        t_ref[a * s:(a + 1) * s, b * s:(b + 1) * s] = blk
+
+
+def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, name_suffix: str = ""):
+  """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T [B, HV, T, C] fp32 when emit_t)."""
+  w = L.chunk_grid
+  in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.kw_head),
+              L.tokens(st, st.value_dim, w), L.vector(st, w)]
+  args = [k, kw, v, beta]
+  if st.decay != "none":
+    in_specs.append(L.decay_spec(st, w))
+    args.append(G)
+  hv, t = (st.batch, st.value_heads), st.length
+  out_specs = [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
+  out_shape = [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm),
+               jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
+  if emit_t:
+    out_specs.append(L.head_major(st, st.chunk, w))
+    out_shape.append(jax.ShapeDtypeStruct((*hv, t, st.chunk), F32))
+  kernel = lambda *refs: _prep_kernel(st, emit_t, *refs)
+  return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
+                     out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
+                     num_warps=st.blocks.warps_chunk, num_stages=st.stages,
+                     name="delta_rule_prep" + name_suffix)(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. The sequential state pass.
+# ---------------------------------------------------------------------------------------------------------
+def _state_kernel(st, *refs):
+  has_g = st.decay != "none"
+  w_ref, u_ref, kw_ref, g_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(refs, 1, 1, 1, int(has_g), 1, 1, 1, 1)
+  c_len, kd = st.chunk, st.key_dim
+
+  def body(c, S):
+    t0 = pl.multiple_of(c * c_len, c_len)
+    vn = u_ref[pl.ds(t0, c_len), :].astype(F32) - dot(w_ref[pl.ds(t0, c_len), :], st.lo(S))
+    sin_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = S.astype(sin_ref.dtype)
+    vn_ref[pl.ds(t0, c_len), :] = vn.astype(vn_ref.dtype)
+    kw = kw_ref[pl.ds(t0, c_len), :].astype(F32)
+    if has_g:
+      to_end, gamma = decay_to_end(st, chunk_decay_rows(st, g_ref, t0))
+      kw = row_scale(kw, to_end)
+      S = S * gamma
+    return S + dot(st.lo(kw), st.lo(vn), ta=True)
+
+  S = lax.fori_loop(0, st.num_chunks, body, s0_ref[...].astype(F32))
+  st_ref[...] = S
+
+
+def state_pass(st: L.Static, W, U, kw, G, S0):
+  """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32)."""
+  bv = st.blocks.v_block("state", st.value_dim)
+  w = L.seq_grid
+  in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
+              L.tokens(st, st.key_dim, w, st.kw_head, whole=True)]
+  args = [W, U, kw]
+  if st.decay != "none":
+    in_specs.append(L.decay_spec(st, w, whole=True))
+    args.append(G)
+  in_specs.append(L.state(st, bv, w))
+  args.append(S0)
+  hv = (st.batch, st.value_heads)
+  out_specs = [L.head_major(st, bv, w, whole=True, split=True), L.states(st, bv, w, whole=True),
+               L.state(st, bv, w)]
+  out_shape = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
+               jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
+               jax.ShapeDtypeStruct((*hv, st.key_dim, st.value_dim), F32)]
+  kernel = lambda *refs: _state_kernel(st, *refs)
+  return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
+                     out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
+                     num_warps=st.blocks.warps_state, num_stages=st.stages,
+                     name="delta_rule_state_fwd")(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Outputs.
+# ---------------------------------------------------------------------------------------------------------
+def _output_kernel(st, *refs):
+  has_g = st.decay != "none"
+  q_ref, kw_ref, g_ref, sin_ref, vn_ref, o_ref = _split(refs, 1, 1, int(has_g), 1, 1, 1)
+  s, n = st.sub, st.num_sub
+  dec = ChunkDecay(st.decay, g_ref, s, n)
+  pairs = Pairs(dec, st.mm)
+  q = [sub_rows(q_ref, a, s) for a in range(n)]
+  kw = [sub_rows(kw_ref, a, s) for a in range(n)]
+  S = st.lo(sin_ref[...])
+  vn = [st.lo(sub_rows(vn_ref, b, s)) for b in range(n)]
+  for a in range(n):
+    acc = dot(st.lo(row_scale(q[a].astype(F32), dec.rows(a))), S)
+    for b in range(a + 1):
+      acc = acc + dot(st.lo(pairs.scores(q, kw, a, b)), vn[b])
+    o_ref[a * s:(a + 1) * s, :] = (st.scale * acc).astype(o_ref.dtype)
+
+
+def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None):
+  """→ o [B, T, HV, V] in out_dtype. `kernel_body` replaces the kernel (tests: poisoned outputs)."""
+  bv = st.blocks.v_block("out", st.value_dim)
+  w = L.chunk_v_grid
+  in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.kw_head)]
+  args = [q, kw]
+  if st.decay != "none":
+    in_specs.append(L.decay_spec(st, w))
+    args.append(G)
+  in_specs += [L.states(st, bv, w), L.head_major(st, bv, w, split=True)]
+  args += [S_in, V_new]
+  body = kernel_body or _output_kernel
+  kernel = lambda *refs: body(st, *refs)
+  return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks, st.value_dim // bv),
+                     in_specs=in_specs, out_specs=L.tokens(st, bv, w, split=True),
+                     out_shape=jax.ShapeDtypeStruct((st.batch, st.length, st.value_heads, st.value_dim),
+                                                    out_dtype),
+                     interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
+                     name="delta_rule_output")(*args)
+
+
+def forward(st: L.Static, q, k, kw, v, beta, G, S0):
+  """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32)."""
+  W, U = prep(st, k, kw, v, beta, G)
+  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0)
+  return output(st, q, kw, G, S_in, V_new, q.dtype), S_T

@@ -1,0 +1,156 @@
+"""The static description of one kernel problem and the BlockSpecs of the arrays the kernels exchange.
+
+Arrays (T padded to a multiple of the chunk C, K and V padded to powers of two ≥ 16):
+  token-major (the caller's layout): q, k [B, T, H, K]; k_write [B, T, Hkw, K] (Hkw = H or HV);
+    v, o, dO [B, T, HV, V]; per-channel G and dG [B, T, HV, K]; dq, dk, dk_write, dv per value head.
+  head-major (kernel intermediates): W [B, HV, T, K]; U, V_new, dV_local, dV_new [B, HV, T, V];
+    T = (I + A)⁻¹ [B, HV, T, C] (the rows of each chunk's C×C block); β, scalar G, dβ, dG [B, HV, T].
+  states: S_in and dS_out per chunk [B, HV, NC·K, V] (chunk c at rows c·K …); S0, S_T [B, HV, K, V].
+
+Grids: chunk-parallel kernels (B, HV, NC) or (B, HV, NC, NV); sequential state passes (B, HV, NV).
+Value head h reads key head h // (HV / H) and write-key head h // (HV / Hkw).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu.config import BlockSizes
+
+_SQ = getattr(pl, "squeezed", None)      # a squeezed block dim (None in older JAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything static about one call (hashable: the custom_vjp's non-differentiable argument)."""
+  batch: int
+  length: int          # padded T, a multiple of chunk
+  heads: int           # H (q, k)
+  value_heads: int     # HV
+  kw_heads: int        # heads of k_write (H or HV; H when k_write is k)
+  key_dim: int         # padded K
+  value_dim: int       # padded V
+  chunk: int
+  decay: str           # "none" | "scalar" | "channel"
+  scale: float
+  same_keys: bool      # k_write is k (the kernels read k twice; dk_write is added to dk)
+  blocks: BlockSizes
+  interpret: bool
+  low_precision: bool = False   # bf16 operands (fp32 accumulation) for the dots that do not build T,
+                                # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
+
+  @property
+  def mm(self):
+    """The operand dtype of the dots outside the triangular system, and of the stored intermediates."""
+    return jnp.bfloat16 if self.low_precision else jnp.float32
+
+  def lo(self, x):
+    return x.astype(self.mm)
+
+  @property
+  def num_chunks(self) -> int:
+    return self.length // self.chunk
+
+  @property
+  def sub(self) -> int:
+    return self.blocks.sub
+
+  @property
+  def num_sub(self) -> int:
+    return self.chunk // self.blocks.sub
+
+  def key_head(self, h):
+    return lax.div(h, jnp.asarray(self.value_heads // self.heads, h.dtype))
+
+  @property
+  def stages(self) -> int:
+    """Triton num_stages: 1 when K or V > 128 (pipelined buffers of K×V tiles would not fit shared memory)."""
+    return self.blocks.stages if max(self.key_dim, self.value_dim) <= 128 else 1
+
+  def kw_head(self, h):
+    return lax.div(h, jnp.asarray(self.value_heads // self.kw_heads, h.dtype))
+
+
+# BlockSpecs. `where(*grid_indices)` returns (b, h, c, iv): batch, value head, chunk (None: whole sequence)
+# and V block (None: whole width); `head` maps the value head to the array's head. Arrays whose last axis is
+# V and is split over the grid's V blocks pass split=True (their block width is then the V block).
+def _col(iv, split):
+  return iv if (split and iv is not None) else 0
+
+
+def tokens(st: Static, width: int, where, head=None, whole=False, split=False):
+  """[B, T, heads, width] token-major: one chunk (or the whole sequence) of one head."""
+  rows = st.length if whole else st.chunk
+  head = head or (lambda h: h)
+
+  def index(*g):
+    b, h, c, iv = where(*g)
+    return b, (0 if whole else c), head(h), _col(iv, split)
+
+  return pl.BlockSpec((_SQ, rows, _SQ, width), index)
+
+
+def head_major(st: Static, width: int, where, whole=False, split=False):
+  """[B, HV, T, width] head-major: one chunk (or the whole sequence)."""
+  rows = st.length if whole else st.chunk
+
+  def index(*g):
+    b, h, c, iv = where(*g)
+    return b, h, (0 if whole else c), _col(iv, split)
+
+  return pl.BlockSpec((_SQ, _SQ, rows, width), index)
+
+
+def vector(st: Static, where, whole=False):
+  """[B, HV, T]: one chunk (or the whole sequence) of per-token scalars."""
+  rows = st.length if whole else st.chunk
+
+  def index(*g):
+    b, h, c, _ = where(*g)
+    return b, h, (0 if whole else c)
+
+  return pl.BlockSpec((_SQ, _SQ, rows), index)
+
+
+def states(st: Static, width: int, where, whole=False):
+  """[B, HV, NC·K, V] per-chunk states: chunk c's K×width block (or all chunks), split over V blocks."""
+  rows = st.num_chunks * st.key_dim if whole else st.key_dim
+
+  def index(*g):
+    b, h, c, iv = where(*g)
+    return b, h, (0 if whole else c), _col(iv, True)
+
+  return pl.BlockSpec((_SQ, _SQ, rows, width), index)
+
+
+def state(st: Static, width: int, where):
+  """[B, HV, K, V]: one head's state, one V block."""
+
+  def index(*g):
+    b, h, _, iv = where(*g)
+    return b, h, 0, _col(iv, True)
+
+  return pl.BlockSpec((_SQ, _SQ, st.key_dim, width), index)
+
+
+def decay_spec(st: Static, where, whole=False):
+  """The cumulative log-decay G: scalar [B, HV, T] or per channel [B, T, HV, K]."""
+  if st.decay == "scalar":
+    return vector(st, where, whole)
+  return tokens(st, st.key_dim, where, whole=whole)
+
+
+# Grid → (b, h, c, iv) for the three grid shapes.
+def chunk_grid(b, h, c):
+  return b, h, c, None
+
+
+def chunk_v_grid(b, h, c, iv):
+  return b, h, c, iv
+
+
+def seq_grid(b, h, iv):
+  return b, h, None, iv

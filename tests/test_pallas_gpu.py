@@ -1,0 +1,205 @@
+"""The Pallas GPU delta-rule kernels in interpret mode on CPU: outputs, final states and every input gradient
+against the chunked XLA path and the fp64 token-serial oracle (DESIGN.md §4 tolerances); poisoned outputs;
+dispatch; and (where the installed jaxlib can) lowering to Triton IR without TF32 dots.
+
+Interpret mode is slow: small shapes, and each test case combines several features.
+"""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kernels
+from osdn_jax import ops
+from osdn_jax.ops import checks, chunked, naive
+from osdn_jax.testing import FP32_TOL, assert_trees_close, close, random_problem, rel_rms, vjp_all
+from pallas_kernels.gpu import delta_rule as gpu
+from pallas_kernels.gpu import delta_rule_fwd, layout
+from pallas_kernels.gpu.config import BlockSizes
+
+DECAYS = ("none", "scalar", "channel")
+# (T, chunk, H, HV, k_write, initial state, also against XLA, blocks): odd T with GVA, asymmetric value-head
+# write keys and a state; T a multiple of the chunk with shared keys, no state and V split over two blocks in
+# every kernel. (The bf16 cases add key-head write keys with GVA.)
+_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16)
+VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, BlockSizes()),
+            "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V)}
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+  """Poisoned output buffers (interpret mode fills them with NaN anyway): an unwritten block shows as NaN."""
+  poison = getattr(pl, "enable_poison_buffers", None)
+  with (poison(True) if poison is not None else contextlib.nullcontext()):
+    yield
+
+
+def _fn(impl, **kw):
+  def fn(q, k, v, beta, k_write, log_decay, initial_state):
+    return impl.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state,
+                           **kw)
+  return fn
+
+
+def _oracle(problem, dtype):
+  ref = problem.rounded(dtype) if dtype != jnp.float32 else problem
+  return vjp_all(_fn(naive), ref.arrays(jnp.float64, jnp.float64, jnp.float64))
+
+
+def _compare(problem, dtype, chunk, *, xla=True, **kw):
+  """Pallas (interpret) against the fp64 oracle, and against the chunked XLA path in fp32."""
+  got = vjp_all(_fn(gpu, chunk_size=chunk, **kw), problem.arrays(dtype))
+  want = {n: w for n, w in _oracle(problem, dtype).items() if n in got}
+  errors = assert_trees_close(got, want, dtype)
+  if xla and dtype == jnp.float32:
+    other = vjp_all(_fn(chunked, chunk_size=chunk), problem.arrays(dtype))
+    assert_trees_close(got, other, dtype)
+  return errors
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("decay", DECAYS)
+def test_fp32(decay, variant):
+  t, chunk, h, hv, kw, s0, xla, blocks = VARIANTS[variant]
+  p = random_problem(t + hv, B=1, T=t, H=h, HV=hv, K=16, V=32, decay=decay, k_write=kw, initial_state=s0)
+  _compare(p, jnp.float32, chunk, xla=xla, blocks=blocks)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_bf16(decay):
+  p = random_problem(7, B=1, T=45, H=2, HV=4, K=16, V=32, decay=decay, k_write="key")
+  _compare(p, jnp.bfloat16, 16)
+
+
+def test_bf16_fp32_matmuls():
+  """bf16 inputs with every dot in fp32: as accurate as the XLA path (errors from the output rounding)."""
+  p = random_problem(8, B=1, T=45, H=2, HV=4, K=16, V=32, decay="scalar", k_write="value")
+  errors = _compare(p, jnp.bfloat16, 16, bf16_matmuls=False)
+  assert errors["S"] < 1e-5, errors
+
+
+def test_padded_dims_chunk64():
+  """K, V not powers of two (padded to 32), chunk 64 (four sub-blocks: the full block merge and reference
+  rows), B = 2, V split in the state passes and the output kernel."""
+  p = random_problem(9, B=2, T=70, H=1, HV=2, K=20, V=24, decay="channel", k_write="value")
+  _compare(p, jnp.float32, 64, xla=False, blocks=BlockSizes(block_v_state=16, block_v_out=16))
+
+
+def test_extreme_gates():
+  """Strong per-channel decays with values far below the −30 clamp, and β = 0 and β = 1 rows."""
+  p = random_problem(10, B=1, T=40, H=1, HV=1, K=16, V=16, decay="channel", k_write="key", decay_bias=-3.0)
+  p.log_decay[:, 5:9] = -100.0
+  p.beta[:, 12:14] = 0.0
+  p.beta[:, 20:22] = 1.0
+  got = vjp_all(_fn(gpu, chunk_size=16), p.arrays(jnp.float32))
+  want = vjp_all(_fn(chunked, chunk_size=16), p.arrays(jnp.float32))
+  assert_trees_close(got, want, jnp.float32)
+
+
+def test_chaining_and_traced_scale():
+  """Two halves through the final state equal one run; a traced scale equals the same static one."""
+  p = random_problem(11, B=1, T=48, H=2, HV=2, K=16, V=16, decay="scalar", k_write="key")
+  a = p.arrays(jnp.float32)
+  o, s = gpu.delta_rule(**a, chunk_size=16)
+  half = lambda x, sl: None if x is None else x[:, sl]
+  first = {n: (half(x, slice(0, 24)) if n != "initial_state" else x) for n, x in a.items()}
+  second = {n: (half(x, slice(24, 48)) if n != "initial_state" else x) for n, x in a.items()}
+  o1, s1 = gpu.delta_rule(**first, chunk_size=16)
+  o2, s2 = gpu.delta_rule(**dict(second, initial_state=s1), chunk_size=16)
+  assert close(jnp.concatenate([o1, o2], axis=1), o, *FP32_TOL) and close(s2, s, *FP32_TOL)
+  o3, _ = jax.jit(lambda sc: gpu.delta_rule(**a, scale=sc, chunk_size=16))(jnp.float32(0.3))
+  o4, _ = gpu.delta_rule(**a, scale=0.3, chunk_size=16)
+  assert close(o3, o4, *FP32_TOL)
+
+
+def test_dispatch():
+  """implementation="pallas" reaches these kernels (interpret mode on CPU); unsupported requests do not."""
+  p = random_problem(12, B=1, T=20, H=2, HV=2, K=16, V=16, decay="channel")
+  q, k, v, beta = (p.arrays(jnp.float32)[n] for n in ("q", "k", "v", "beta"))
+  spec = checks.check_solve("delta_rule", q, k, v, beta=beta)
+  assert pallas_kernels.lookup("delta_rule", spec, jnp.float32, 16, "cpu") is gpu.delta_rule
+  assert pallas_kernels.lookup("delta_rule", spec, jnp.bfloat16, 64, "gpu") is gpu.delta_rule
+  assert pallas_kernels.lookup("delta_rule", spec, jnp.float64, 16, "cpu") is None
+  assert pallas_kernels.lookup("delta_rule", spec, jnp.float16, 16, "gpu") is None
+  assert pallas_kernels.lookup("delta_rule", spec, jnp.float32, 16, "tpu") is None
+  wide = np.zeros((1, 4, 1, 512), np.float32)
+  big = checks.check_solve("delta_rule", wide, wide, wide, beta=np.zeros((1, 4, 1), np.float32))
+  assert pallas_kernels.lookup("delta_rule", big, jnp.float32, 16, "gpu") is None
+  o, s = ops.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], output_final_state=True,
+                        chunk_size=16, implementation="pallas")
+  o2, s2 = chunked.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], chunk_size=16)
+  assert rel_rms(o, o2) < 1e-5 and rel_rms(s, s2) < 1e-5
+
+
+def test_poison_catches_unwritten_blocks():
+  """An output kernel that skips the last chunk leaves NaN there, which the comparator rejects."""
+  p = random_problem(13, B=1, T=32, H=1, HV=1, K=16, V=16, decay="scalar")
+  a = p.arrays(jnp.float32)
+  st = layout.Static(batch=1, length=32, heads=1, value_heads=1, kw_heads=1, key_dim=16, value_dim=16,
+                     chunk=16, decay="scalar", scale=0.25, same_keys=True, blocks=BlockSizes(),
+                     interpret=True)
+  beta = jnp.swapaxes(a["beta"], 1, 2)
+  G = jnp.swapaxes(jnp.cumsum(a["log_decay"].reshape(1, 2, 16, 1), axis=2).reshape(1, 32, 1), 1, 2)
+  W, U = delta_rule_fwd.prep(st, a["k"], a["k"], a["v"], beta, G)
+  V_new, S_in, _ = delta_rule_fwd.state_pass(st, W, U, a["k"], G, a["initial_state"])
+
+  def skip_last(st_, *refs):
+    @pl.when(pl.program_id(2) < st_.num_chunks - 1)
+    def _():
+      delta_rule_fwd._output_kernel(st_, *refs)
+
+  full = delta_rule_fwd.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32)
+  partial = delta_rule_fwd.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32, kernel_body=skip_last)
+  want, _ = chunked.delta_rule(**a, scale=0.25, chunk_size=16)
+  assert close(full, want, *FP32_TOL)
+  assert np.isnan(np.asarray(partial[:, 16:])).all() and close(partial[:, :16], want[:, :16], *FP32_TOL)
+  assert not close(partial, want, *FP32_TOL)
+
+
+def _can_lower_triton() -> bool:
+  """jaxlib ≤ 0.10.2 lowers Pallas-Triton to IR without a GPU; newer ones compile in the lowering."""
+  from jax._src.lib import version as jaxlib_version
+  try:
+    has_gpu = bool(jax.devices("gpu"))
+  except RuntimeError:
+    has_gpu = False
+  return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
+
+
+@pytest.mark.skipif(not _can_lower_triton(), reason="Triton lowering needs a GPU with this jaxlib")
+def test_lowers_to_triton_without_tf32(monkeypatch, capsys):
+  """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification; no dot
+  runs in TF32 (fp32 inputs)."""
+  from pallas_kernels.gpu import config
+  call = config.pl.pallas_call
+  monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
+  verified = []
+  try:   # private API: verify each Triton module where this JAX version exposes it
+    from jax._src.pallas.triton import lowering, pallas_call_registration as registration
+    lower_module = lowering.lower_jaxpr_to_triton_module
+
+    def checked(*a, **kw):
+      result = lower_module(*a, **kw)
+      verified.append(result.module.operation.verify())
+      return result
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
+  except (ImportError, AttributeError):
+    pass
+  b, t, h, hv, kd = 1, 64, 1, 2, 32
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  for decay, g in (("scalar", sd(b, t, hv)), ("channel", sd(b, t, hv, kd))):
+    def loss(q, k, v, beta, g, kw):
+      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False)
+      return jnp.sum(o) + jnp.sum(s)
+    f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv), g, sd(b, t, hv, kd))
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    ir = capsys.readouterr().out
+    kernels = {n for n in ("prep", "state_fwd", "output", "prep_bwd", "dv_local", "state_bwd", "grads")
+               if f"@delta_rule_{n}(" in ir}
+    assert len(kernels) == 7, (decay, kernels)
+    assert ir.count("tt.dot") > 0 and "inputPrecision = tf32" not in ir
+  assert all(verified), verified
