@@ -1,6 +1,9 @@
 """The P axis: diagonal preconditioners on the write key (online solve) or on the query (offline solve).
 
 Each returns `(k_write or q_tilde, final_state)`; chaining two calls through the final state equals one call.
+Packed sequences: with `segment_ids` [B, T] (the convention of `osdn_jax.ops.packing`) every state restarts
+at each segment start from that segment's initial state (`initial_state` [N, G, K], default as unpacked), and
+the final state is per segment, [N, G, K] (None when N is unknown: traced ids and no initial_state).
 Shapes: keys and queries [B, T, H, K]; a per-token gate [B, T, G] where G is the number of heads it lives on
 (H for the PDN/ATQ second moment, the gain's heads — H or HV — for OSDN); states [B, G, K]. Results come back in
 the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from osdn_jax.ops import chunked, common
+from osdn_jax.ops import chunked, common, packing
 from osdn_jax.ops.scan import affine_scan
 
 _HI = lax.Precision.HIGHEST
@@ -43,17 +46,31 @@ def _on_heads(k, heads: int):
 # ---------------------------------------------------------------------------------------------------------
 # PDN and ATQ: the decayed diagonal second moment.
 # ---------------------------------------------------------------------------------------------------------
-def second_moment(k, beta_p, log_decay_p, *, initial_state=None):
+def num_segments(segment_ids, initial_state):
+  """N for per-segment final states: initial_state's leading dim, else counted from concrete ids, else None."""
+  if initial_state is not None:
+    return initial_state.shape[0]
+  try:
+    return packing.num_segments(segment_ids)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
+
+
+def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
-  k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K]. Returns (A [B, T, H, K], A_T).
+  k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K] ([N, H, K] with segment_ids).
+  Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
   ct = _ct(k, beta_p, log_decay_p)
   k = jnp.asarray(k, ct)
   a = jnp.exp(jnp.asarray(log_decay_p, ct))[..., None]
   b = jnp.asarray(beta_p, ct)[..., None] * k * k
   init = None if initial_state is None else jnp.asarray(initial_state, ct)
-  return affine_scan(a, b, initial=init, axis=1)
+  if segment_ids is None:
+    return affine_scan(a, b, initial=init, axis=1)
+  return affine_scan(a, b, initial=init, reset=packing.segment_starts(segment_ids),
+                     num_segments=num_segments(segment_ids, initial_state), axis=1)
 
 
 def pdn_scale(A, center, *, x=1.5, eps=1e-6):
@@ -62,15 +79,15 @@ def pdn_scale(A, center, *, x=1.5, eps=1e-6):
   return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
 
-def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None):
+def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None):
   """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K])."""
-  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state)
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
   return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
 
 
-def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None):
+def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None):
   """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K])."""
-  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state)
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
   return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T
 
 
@@ -92,7 +109,7 @@ def _bound(d, lo, hi):
   return d if lo is None and hi is None else jnp.clip(d, lo, hi)
 
 
-def _osdn_inputs(k, beta, retention, d_init, initial_state):
+def _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
   heads = beta.shape[2]
   ct = _ct(k, beta, retention)
   k = jnp.asarray(_on_heads(k, heads), ct)
@@ -103,27 +120,59 @@ def _osdn_inputs(k, beta, retention, d_init, initial_state):
   # sequential and chunked d-passes are the same function (values and gradients) for every r in [0, 1].
   r = None if retention is None else jnp.maximum(jnp.asarray(retention, ct), _RETENTION_FLOOR)
   d_init = jnp.asarray(d_init, ct)
-  shape = (k.shape[0], heads, k.shape[-1])
+  rows = k.shape[0] if n_seg is None else n_seg
+  shape = (rows, heads, k.shape[-1])
   d1 = jnp.broadcast_to(d_init, shape) if initial_state is None else jnp.asarray(initial_state, ct)
   return k, beta, u, n, r, jnp.broadcast_to(d_init, shape[1:]), d1
 
 
-def _osdn_serial(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor):
-  """Token-serial d-pass; returns (d_t for every token [B, T, G, K], d_{T+1})."""
+def _osdn_serial(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None):
+  """Token-serial d-pass; returns (d_t for every token [B, T, G, K], d_{T+1} [B, G, K]).
+
+  With segment_ids, d restarts from d1[n] (d1 [N, G, K]) at the first token of segment n, and the second
+  result is each segment's last d, [N, G, K]."""
+  if segment_ids is not None:
+    return _osdn_serial_packed(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
+                               segment_ids=segment_ids)
+
   def body(d, x):
     u_t, n_t, b_t, r_t = x
-    step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
-    if r_t is None:
-      keep = d
-    elif anchor == "zero":
-      keep = r_t[..., None] * d
-    else:
-      keep = d_init + r_t[..., None] * (d - d_init)
-    return _bound(keep + step, d_min, d_max), d
+    return _osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor), d
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
   d_last, ds = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, r))))
   return jnp.moveaxis(ds, 0, 1), d_last
+
+
+def _osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, anchor):
+  step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
+  if r_t is None:
+    keep = d
+  elif anchor == "zero":
+    keep = r_t[..., None] * d
+  else:
+    keep = d_init + r_t[..., None] * (d - d_init)
+  return _bound(keep + step, d_min, d_max)
+
+
+def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids):
+  starts = packing.segment_starts(segment_ids)                         # [B, T]
+  seg = packing.segment_index(segment_ids)
+  count = d1.shape[0]
+
+  def body(d, x):
+    u_t, n_t, b_t, r_t, start_t, seg_t = x
+    d = jnp.where(start_t[:, None, None], d1[jnp.minimum(seg_t, count - 1)], d)
+    d_next = _osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
+    return d_next, (d, d_next)
+
+  time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
+  d0 = jnp.zeros((u.shape[0],) + u.shape[2:], u.dtype)
+  _, (ds, ds_next) = lax.scan(body, d0, tuple(map(time_major, (u, n, beta, r, starts, seg))))
+  ds, ds_next = jnp.moveaxis(ds, 0, 1), jnp.moveaxis(ds_next, 0, 1)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1)
+  last = jnp.zeros_like(d1).at[jnp.where(ends, seg, count)].set(ds_next, mode="drop")
+  return ds, last
 
 
 def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
@@ -152,7 +201,7 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
 
 
 def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0,
-                   apf_anchor="zero", initial_state=None, method="auto", chunk_size=64):
+                   apf_anchor="zero", initial_state=None, method="auto", chunk_size=64, segment_ids=None):
   """OSDN's write key k̃_t = guard(d_t ⊙ k_t), d learned online from keys and gains only.
 
   Args:
@@ -163,7 +212,8 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
     method: "sequential" (token-serial scan; any bounds), "chunked" (exact delta-rule form; only without
-      bounds) or "auto" (chunked when d_min and d_max are None, else sequential).
+      bounds, unpacked) or "auto" (chunked when d_min and d_max are None and unpacked, else sequential).
+    segment_ids: None or [B, T] packed sequences (initial_state then [N, G, K]; d_{T+1} per segment).
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
   """
@@ -175,15 +225,25 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
   if method == "chunked" and bounded:
     raise ValueError("osdn_write_key: `method`='chunked' is exact only without the clip: pass d_min=None and "
                      "d_max=None, or use method='sequential'")
+  if method == "chunked" and segment_ids is not None:
+    raise ValueError("osdn_write_key: `method`='chunked' does not take `segment_ids`; use 'sequential' or "
+                     "'auto'")
   if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
     raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
                      f"got shape {beta.shape}")
   if retention is not None and retention.shape != beta.shape:
     raise ValueError(f"osdn_write_key: `retention` must have beta's shape {beta.shape}, got {retention.shape}")
   out_dtype = k.dtype
-  kx, beta, u, n, r, d0, d1 = _osdn_inputs(k, beta, retention, d_init, initial_state)
-  if method == "sequential" or (method == "auto" and bounded):
-    ds, d_last = _osdn_serial(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor)
+  n_seg = None
+  if segment_ids is not None:
+    # Traced ids and no initial_state: N is unknown, every segment starts from d_init, no final states.
+    n_seg = num_segments(segment_ids, initial_state) or 1
+  kx, beta, u, n, r, d0, d1 = _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
+  if method == "sequential" or (method == "auto" and (bounded or segment_ids is not None)):
+    ds, d_last = _osdn_serial(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor,
+                              segment_ids=segment_ids)
+    if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
+      d_last = None
   else:
     ds, d_last = _osdn_chunked(u, n, beta, r, d1, d0, eta=eta, anchor=apf_anchor, chunk_size=chunk_size)
   return apply_guard(ds * kx, kx, beta, guard).astype(out_dtype), d_last

@@ -65,8 +65,9 @@ class Context:
   params: Mapping[str, Any]
   options: Mapping[str, Any]
   beta: Any = None
-  state: Any = None          # the preconditioner's carried state, if any
+  state: Any = None          # the preconditioner's carried state, if any ([N, G, K] per segment when packed)
   reference: bool = False    # token-serial references instead of the fast forms
+  segment_ids: Any = None    # [B, T] packed sequences (`osdn_jax.ops.packing`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +115,14 @@ def _second_moment_gates(c: Context):
 def _pdn(c: Context):
   fn = precond_naive.pdn_write_key if c.reference else precond_fns.pdn_write_key
   k_write, A = fn(c.k, *_second_moment_gates(c), c.params["center"], x=c.options["x"], eps=c.options["eps"],
-                  initial_state=c.state)
+                  initial_state=c.state, segment_ids=c.segment_ids)
   return dict(k_write=k_write), A
 
 
 def _atq(c: Context):
   fn = precond_naive.atq_query if c.reference else precond_fns.atq_query
-  q_tilde, A = fn(c.q, c.k, *_second_moment_gates(c), lam=c.options["lam"], initial_state=c.state)
+  q_tilde, A = fn(c.q, c.k, *_second_moment_gates(c), lam=c.options["lam"], initial_state=c.state,
+                  segment_ids=c.segment_ids)
   return dict(q_tilde=q_tilde), A
 
 
@@ -130,7 +132,7 @@ def _osdn(c: Context):
   k_write, d = precond_fns.osdn_write_key(
       c.k, c.beta, retention=retention, eta=o["eta"], d_init=o["d_init"], d_min=o["d_min"], d_max=o["d_max"],
       guard=o["guard"], apf_anchor=o["apf_anchor"], initial_state=c.state,
-      method="sequential" if c.reference else "auto")
+      method="sequential" if c.reference else "auto", segment_ids=c.segment_ids)
   return dict(k_write=k_write), d
 
 
@@ -140,6 +142,8 @@ def _fixed(c: Context):
 
 
 def _exact(c: Context):
+  if c.segment_ids is not None:
+    raise ValueError("precond 'exact' (a token-serial reference) does not take `segment_ids`")
   if c.options["solve"] == "offline":
     beta = jnp.ones(_shape3(c), c.k.dtype) if c.beta is None else c.beta
     q_tilde, P = precond_fns.exact_query(c.q, c.k, beta, lam=c.options["lam"])
@@ -236,13 +240,26 @@ class Point:
     keys = jax.random.split(key, 3)
     return {w: dict(self._axis(w).init(kk, dims, self.opts)) for w, kk in zip(("decay", "gain", "precond"), keys)}
 
-  def prepare(self, q, k, v, features, params, *, precond_state=None, reference=False) -> dict:
+  def initial_state(self, batch: int, dims: Dims, dtype=jnp.float32) -> dict:
+    """The state a fresh sequence starts from: {"S": zeros [B, HV, K, V], "precond": zeros [B, H, K] for the
+    second-moment preconditioners, d_init [B, HV, K] for OSDN, None for the stateless ones}."""
+    S = jnp.zeros((batch, dims.value_heads, dims.key_dim, dims.value_dim), dtype)
+    if self.precond in ("pdn", "atq"):
+      p = jnp.zeros((batch, dims.heads, dims.key_dim), dtype)
+    elif self.precond in ("osdn", "osdn-apf"):
+      p = jnp.broadcast_to(jnp.asarray(self.opts["d_init"], dtype),
+                           (batch, dims.value_heads, dims.key_dim)).astype(dtype)
+    else:
+      p = None
+    return {"S": S, "precond": p}
+
+  def prepare(self, q, k, v, features, params, *, precond_state=None, reference=False, segment_ids=None) -> dict:
     """Applies the D, G and P axes: returns the solve's inputs (q, k, v, beta, k_write, q_tilde, log_decay)
     and the preconditioner's final state under "precond_state"."""
     if self.normalize_qk:
       q, k = _l2norm(q), _l2norm(k)
     ctx = lambda w, **kw: Context(q, k, v, features.get(w, {}), params.get(w, {}), self.opts,
-                                  reference=reference, **kw)
+                                  reference=reference, segment_ids=segment_ids, **kw)
     log_decay = self._axis("decay").apply(ctx("decay"))
     beta = self._axis("gain").apply(ctx("gain"))
     written, p_state = self._axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
@@ -254,13 +271,12 @@ class Point:
     """Runs the point. state: None or {"S": [B, HV, K, V], "precond": [B, G, K] or None}.
 
     Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). implementation="naive" runs every axis
-    token-serially (the point's own reference composition).
+    token-serially (the point's own reference composition). With segment_ids [B, T] every state restarts at
+    each segment start and the states are per segment ([N, ...] instead of [B, ...]).
     """
     state = state or {}
-    if segment_ids is not None and self.stateful_precond:
-      raise NotImplementedError(f"{self.name}: segment_ids with a stateful preconditioner")
     x = self.prepare(q, k, v, features, params, precond_state=state.get("precond"),
-                     reference=implementation == "naive")
+                     reference=implementation == "naive", segment_ids=segment_ids)
     o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=state.get("S"),
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
