@@ -7,10 +7,10 @@
     y, cache = mixer(x, return_cache=True)             # prefill
     y_t, cache = mixer.step(x_t, cache)                # one token
 """
-from osdn_jax.layers.conv import ShortConv, segment_numbers
+from osdn_jax.layers.conv import ShortConv
 from osdn_jax.layers.mixer import DGPSMixer, FeatureProjection, LayerCache, MixerConfig, is_kda_family
 from osdn_jax.layers.mlp import SwiGLU, hidden_width
 from osdn_jax.layers.norms import RMSNorm
 
 __all__ = ["DGPSMixer", "FeatureProjection", "LayerCache", "MixerConfig", "RMSNorm", "ShortConv", "SwiGLU",
-           "hidden_width", "is_kda_family", "segment_numbers"]
+           "hidden_width", "is_kda_family"]

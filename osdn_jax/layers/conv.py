@@ -5,13 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def segment_numbers(segment_ids):
-  """[B, T] ids → [B, T] int32 counting the segment starts up to t (a start at t = 0 and wherever the id
-  changes), so two tokens of one row lie in one segment iff their numbers are equal."""
-  ids = jnp.asarray(segment_ids)
-  starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-  return jnp.cumsum(starts.astype(jnp.int32), axis=1)
+from osdn_jax.ops import packing
 
 
 class ShortConv(nnx.Module):
@@ -44,7 +38,7 @@ class ShortConv(nnx.Module):
       tail = jnp.zeros((b, lag, c), x.dtype)
     xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)        # [B, W − 1 + T, C]
     w = self._w(x)
-    seg = None if segment_ids is None else segment_numbers(segment_ids)
+    seg = None if segment_ids is None else packing.segment_index(segment_ids)
     y = jnp.zeros_like(x)
     for i in range(self.kernel_size):
       shift = lag - i                                             # tap i reads x_{t − shift}
