@@ -1,14 +1,24 @@
 """Per-kernel times of the Pallas GPU delta rule (forward and backward stages), to see where time goes.
 
-Times each pallas_call of the forward (prep, state_pass, output) and of the backward (prep with T,
-state_pass, dv_local, state_bwd, grads) on its own, jitted, median of runs; bf16 inputs, the default blocks.
+Times each pallas_call of the forward (prep, state_pass, output) and of the backward (prep with T, state_pass,
+dv_local, state_bwd, grads_state, grads_intra and, with per-channel decay, grads_pairs) on its own, jitted,
+median of runs; bf16 inputs, the default blocks.
+Then the whole forward and the whole backward (every kernel chained, as the custom_vjp runs them).
 
   python -m experiments.profile_pallas --shape 4,4096,16,128 --decay none
+  python -m experiments.profile_pallas --decay channel --sweep      # also a few launch parameters per kernel
+  python -m experiments.profile_pallas --decay channel --sweep prep,grads_pairs   # of these kernels only
+  python -m experiments.profile_pallas --census                      # static per-program census, nothing runs
+
+On CPU the kernels run in interpret mode (times meaningless; a smoke test):
+  JAX_PLATFORMS=cpu python -m experiments.profile_pallas --shape 1,64,2,16 --chunk 16
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +26,26 @@ import numpy as np
 
 from pallas_kernels.gpu import delta_rule_bwd as bwd
 from pallas_kernels.gpu import delta_rule_fwd as fwd
+from pallas_kernels.gpu.census import census, format_census
 from pallas_kernels.gpu.config import DEFAULT_BLOCKS
 from pallas_kernels.gpu.layout import Static
 
+# --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
+SWEEPS = {
+    "prep": [dict(warps_prep=1), dict(warps_prep=2), dict(warps_prep=8)],
+    "output": [dict(warps_chunk=8), dict(block_v_out=64)],
+    "dv_local": [dict(warps_chunk=8), dict(block_v_out=64)],
+    "grads_state": [dict(warps_grad_state=8), dict(block_k_grad=32), dict(block_k_grad=128, warps_grad_state=8),
+                    dict(block_v_grad=32), dict(block_v_grad=128)],
+    "grads_intra": [dict(warps_grad=4), dict(block_v_grad=128), dict(block_k_grad=128),
+                    dict(warps_grad=4, block_v_grad=32)],
+    "grads_pairs": [dict(warps_grad=4), dict(block_k_diag=32), dict(block_k_grad=32, block_k_diag=32),
+                    dict(block_k_grad=16, warps_grad=4)],
+}
+
 
 def _ms(fn, *args, runs=20):
+  """Median wall ms of fn(*args), synchronised, after one untimed call."""
   jax.block_until_ready(fn(*args))
   ts = []
   for _ in range(runs):
@@ -30,52 +55,147 @@ def _ms(fn, *args, runs=20):
   return 1e3 * float(np.median(ts))
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shape", default="4,4096,16,128")
-  ap.add_argument("--decay", default="none")
-  ap.add_argument("--chunk", type=int, default=64)
-  a = ap.parse_args()
-  b, t, h, d = map(int, a.shape.split(","))
+def make_inputs(b, t, h, d, decay, chunk):
+  """bf16 unit q, k; bf16 v, dO; β = σ(N); the in-chunk cumsum G of logσ(N + 4) decays; zero S0, dS_T."""
   rng = np.random.default_rng(0)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-  q, k = bf(unit(rng.normal(size=(b, t, h, d)))), bf(unit(rng.normal(size=(b, t, h, d))))
-  v, do = bf(rng.normal(size=(b, t, h, d))), bf(rng.normal(size=(b, t, h, d)))
-  beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, h, t)))), jnp.float32)
-  G = None
-  if a.decay == "scalar":
+  x = dict(q=bf(unit(rng.normal(size=(b, t, h, d)))), k=bf(unit(rng.normal(size=(b, t, h, d)))),
+           v=bf(rng.normal(size=(b, t, h, d))), do=bf(rng.normal(size=(b, t, h, d))),
+           beta=jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, h, t)))), jnp.float32), G=None,
+           S0=jnp.zeros((b, h, d, d), jnp.float32), dS=jnp.zeros((b, h, d, d), jnp.float32))
+  if decay == "scalar":
     g = -np.logaddexp(0, -(rng.normal(size=(b, h, t)) + 4))
-    G = jnp.asarray(np.cumsum(g.reshape(b, h, t // a.chunk, a.chunk), -1).reshape(b, h, t), jnp.float32)
-  elif a.decay == "channel":
+    x["G"] = jnp.asarray(np.cumsum(g.reshape(b, h, t // chunk, chunk), -1).reshape(b, h, t), jnp.float32)
+  elif decay == "channel":
     g = -np.logaddexp(0, -(rng.normal(size=(b, t, h, d)) + 4))
-    G = jnp.asarray(np.cumsum(g.reshape(b, t // a.chunk, a.chunk, h, d), 2).reshape(b, t, h, d), jnp.float32)
-  S0 = jnp.zeros((b, h, d, d), jnp.float32)
-  dS = jnp.zeros((b, h, d, d), jnp.float32)
-  st = Static(batch=b, length=t, heads=h, value_heads=h, kw_heads=h, key_dim=d, value_dim=d, chunk=a.chunk,
-              decay=a.decay, scale=d ** -0.5, same_keys=True, blocks=DEFAULT_BLOCKS, interpret=jax.default_backend() == "cpu",
-              low_precision=True)
-  print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay}",
-        flush=True)
-  W, U = jax.jit(lambda *x: fwd.prep(st, *x))(k, k, v, beta, G)
-  print(f"prep              {_ms(jax.jit(lambda *x: fwd.prep(st, *x)), k, k, v, beta, G):8.3f} ms", flush=True)
-  state = jax.jit(lambda *x: fwd.state_pass(st, *x))
-  V_new, S_in, _ = state(W, U, k, G, S0)
-  print(f"state_pass        {_ms(state, W, U, k, G, S0):8.3f} ms", flush=True)
-  out = jax.jit(lambda *x: fwd.output(st, *x, jnp.bfloat16))
-  print(f"output            {_ms(out, q, k, G, S_in, V_new):8.3f} ms", flush=True)
-  prep_t = jax.jit(lambda *x: fwd.prep(st, *x, emit_t=True, name_suffix='_bwd'))
-  W2, U2, T = prep_t(k, k, v, beta, G)
-  print(f"prep (with T)     {_ms(prep_t, k, k, v, beta, G):8.3f} ms", flush=True)
-  dvl_fn = jax.jit(lambda *x: bwd.dv_local(st, *x))
-  dvl = dvl_fn(q, k, G, do)
-  print(f"dv_local          {_ms(dvl_fn, q, k, G, do):8.3f} ms", flush=True)
-  sb = jax.jit(lambda *x: bwd.state_bwd(st, *x))
-  dV_new, dS_out, _ = sb(W2, q, k, G, do, dvl, dS)
-  print(f"state_bwd         {_ms(sb, W2, q, k, G, do, dvl, dS):8.3f} ms", flush=True)
-  gr = jax.jit(lambda *x: bwd.grads(st, *x))
-  print(f"grads             {_ms(gr, q, k, k, v, beta, G, T, S_in, dS_out, V_new, dV_new, do):8.3f} ms",
-        flush=True)
+    x["G"] = jnp.asarray(np.cumsum(g.reshape(b, t // chunk, chunk, h, d), 2).reshape(b, t, h, d), jnp.float32)
+  return x
+
+
+def make_static(b, t, h, d, decay, chunk, blocks):
+  return Static(batch=b, length=t, heads=h, value_heads=h, kw_heads=h, key_dim=d, value_dim=d, chunk=chunk,
+                decay=decay, scale=d ** -0.5, same_keys=True, blocks=blocks,
+                interpret=jax.default_backend() == "cpu", low_precision=True)
+
+
+class Kernel:
+  """One pallas_call: `run(st, *args)` jitted per Static (compiled once per block sizes)."""
+
+  def __init__(self, name, fn, args):
+    self.name, self.fn, self.args, self._jit = name, fn, args, {}
+
+  def jitted(self, st):
+    if st not in self._jit:
+      self._jit[st] = jax.jit(lambda *a: self.fn(st, *a))
+    return self._jit[st]
+
+  def __call__(self, st):
+    return self.jitted(st)(*self.args)
+
+
+def stages(st, x, report=lambda kern: None):
+  """[Kernel] for every pallas_call of forward and backward, in order, each fed the real upstream results
+  (computed by the same jitted function that is timed, so every kernel compiles once). `report(kernel)` runs
+  as soon as a kernel has run once (a later kernel that fails to compile raises after the earlier reports)."""
+  q, k, v, do, beta, G, S0, dS = (x[n] for n in ("q", "k", "v", "do", "beta", "G", "S0", "dS"))
+  out = []
+
+  def add(name, fn, *args):
+    out.append(Kernel(name, fn, args))
+    result = jax.block_until_ready(out[-1](st))
+    report(out[-1])
+    return result
+
+  W, U = add("prep", lambda s, *a: fwd.prep(s, *a), k, k, v, beta, G)
+  V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(s, *a), W, U, k, G, S0)
+  add("output", lambda s, *a: fwd.output(s, *a, jnp.bfloat16), q, k, G, S_in, V_new)
+  W2, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a, emit_t=True, name_suffix="_bwd"),
+                 k, k, v, beta, G)
+  dvl = add("dv_local", lambda s, *a: bwd.dv_local(s, *a), q, k, G, do)
+  dV_new, dS_out, _ = add("state_bwd", lambda s, *a: bwd.state_bwd(s, *a), W2, q, k, G, do, dvl, dS)
+  dq_s, dws, dkw_s, dG_s = add("grads_state", lambda s, *a: bwd.grads_state(s, *a), q, k, G, S_in, dS_out,
+                               V_new, dV_new, do)
+  if st.decay == "scalar":
+    dG_s = jnp.sum(dG_s, axis=0)
+  if st.decay != "channel":
+    add("grads_intra", lambda s, *a: bwd.grads_intra(s, *a), q, k, k, v, beta, G, T, V_new, dV_new, do, dws,
+        dq_s, dkw_s, dG_s)
+    return out
+  _, _, dM, dA = add("grads_intra", lambda s, *a: bwd.grads_intra(s, *a), q, k, k, v, beta, G, T, V_new, dV_new,
+                     do, dws, None, None, None)
+  add("grads_pairs", lambda s, *a: bwd.grads_pairs(s, *a), q, k, k, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s)
+  return out
+
+
+def _timed(label, run, runs):
+  """Median ms of run() (the first call, compile included, is not timed); None if it fails."""
+  try:
+    ms = _ms(run, runs=runs)
+    print(f"{label:52s} {ms:8.3f} ms", flush=True)
+    return ms
+  except Exception as e:  # noqa: BLE001 — a kernel that fails to compile is reported, the rest still runs
+    print(f"{label:52s} FAILED {e!r}"[:600], flush=True)
+    traceback.print_exc(limit=2)
+    return None
+
+
+def _key(overrides):
+  return ",".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,D (H = HV, K = V = D)")
+  ap.add_argument("--decay", default="none")
+  ap.add_argument("--chunk", type=int, default=64)
+  ap.add_argument("--runs", type=int, default=20)
+  ap.add_argument("--sweep", nargs="?", const="all", default="",
+                  help="also time kernels under the SWEEPS overrides: all, or a comma list of kernel names")
+  ap.add_argument("--census", action="store_true", help="print the static per-program census and exit")
+  a = ap.parse_args()
+  b, t, h, d = map(int, a.shape.split(","))
+  blocks = DEFAULT_BLOCKS
+  st = make_static(b, t, h, d, a.decay, a.chunk, blocks)
+  x = make_inputs(b, t, h, d, a.decay, a.chunk)
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay} "
+        f"chunk={a.chunk}", flush=True)
+  if a.census:
+    res = {"fwd": fwd.forward, "bwd": lambda *r: bwd.backward(st, r[:7], r[7], r[8])}
+    rows = census(lambda *r: res["fwd"](st, *r), x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
+    rows += census(res["bwd"], x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"], x["do"], x["dS"])
+    print(format_census(rows))
+    return
+  sweep = set(SWEEPS) if a.sweep == "all" else {n for n in a.sweep.split(",") if n}
+  total = {"forward": 0.0, "backward": 0.0}
+
+  def report(kern):
+    ms = _timed(kern.name, lambda: kern(st), a.runs)
+    if ms is not None:
+      if kern.name in ("prep", "state_pass", "output"):
+        total["forward"] += ms
+      if kern.name not in ("prep", "output"):
+        total["backward"] += ms
+    for over in (SWEEPS.get(kern.name, []) if kern.name in sweep else []):
+      try:
+        st_v = dataclasses.replace(st, blocks=dataclasses.replace(blocks, **over))
+      except ValueError as e:
+        print(f"  {kern.name} [{_key(over)}]: skipped ({e})")
+        continue
+      _timed(f"  {kern.name} [{_key(over)}]", lambda: kern(st_v), a.runs)
+
+  try:
+    stages(st, x, report)
+  except Exception as e:  # noqa: BLE001 — a kernel failed to compile or run: its successors cannot run
+    print(f"FAILED building the next kernel: {e!r}"[:2000], flush=True)
+    traceback.print_exc(limit=3)
+  print(f"{'sum of kernels: forward':52s} {total['forward']:8.3f} ms")
+  print(f"{'sum of kernels: backward (reruns prep, state_pass)':52s} {total['backward']:8.3f} ms")
+  residuals = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
+  whole_fwd = jax.jit(lambda *r: fwd.forward(st, *r))
+  _timed("whole forward (jit)", lambda: whole_fwd(*residuals), a.runs)
+  whole_bwd = jax.jit(lambda *r: bwd.backward(st, r[:7], r[7], r[8]))
+  _timed("whole backward (jit)", lambda: whole_bwd(*residuals, x["do"], x["dS"]), a.runs)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ dispatch; and (where the installed jaxlib can) lowering to Triton IR without TF3
 Interpret mode is slow: small shapes, and each test case combines several features.
 """
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +84,21 @@ def test_bf16_fp32_matmuls():
 
 def test_padded_dims_chunk64():
   """K, V not powers of two (padded to 32), chunk 64 (four sub-blocks: the full block merge and reference
-  rows), B = 2, V split in the state passes and the output kernel."""
+  rows), B = 2, V split in the state passes and the output kernel, K split over the gradient grids (two
+  16-column programs of grads_state and grads_pairs)."""
   p = random_problem(9, B=2, T=70, H=1, HV=2, K=20, V=24, decay="channel", k_write="value")
-  _compare(p, jnp.float32, 64, xla=False, blocks=BlockSizes(block_v_state=16, block_v_out=16))
+  _compare(p, jnp.float32, 64, xla=False,
+           blocks=BlockSizes(block_v_state=16, block_v_out=16, block_k_grad=16))
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_split_k(decay):
+  """K = 32 in 16-column pieces: grads_state's K grid and scalar dG partial sums, grads_intra's K loops
+  (none / scalar), grads_pairs' loop over K chunks inside one 32-column program (per channel), the K chunks
+  of the per-channel diagonal sub-blocks; V loops of two 16-column steps."""
+  p = random_problem(14, B=1, T=40, H=1, HV=2, K=32, V=32, decay=decay, k_write="key", initial_state=True)
+  blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_v_grad=16)
+  _compare(p, jnp.float32, 16, blocks=blocks)
 
 
 def test_extreme_gates():
@@ -169,10 +182,19 @@ def _can_lower_triton() -> bool:
   return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
 
 
+# The pallas_calls of forward + backward, per path and decay (prep_bwd is prep emitting T).
+_KERNELS = ("prep", "state_fwd", "output", "prep_bwd", "dv_local", "state_bwd", "grads_state", "grads_intra")
+
+
+def _expected_kernels(decay):
+  return set(_KERNELS) | ({"grads_pairs"} if decay == "channel" else set())
+
+
 @pytest.mark.skipif(not _can_lower_triton(), reason="Triton lowering needs a GPU with this jaxlib")
 def test_lowers_to_triton_without_tf32(monkeypatch, capsys):
-  """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification; no dot
-  runs in TF32 (fp32 inputs)."""
+  """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification, every
+  kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in TF32
+  (fp32 inputs)."""
   from pallas_kernels.gpu import config
   call = config.pl.pallas_call
   monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
@@ -188,18 +210,19 @@ def test_lowers_to_triton_without_tf32(monkeypatch, capsys):
     monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
   except (ImportError, AttributeError):
     pass
-  b, t, h, hv, kd = 1, 64, 1, 2, 32
+  b, t, h, hv, kd = 1, 64, 1, 2, 64
+  blocks = BlockSizes(block_k_grad=32)
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  for decay, g in (("scalar", sd(b, t, hv)), ("channel", sd(b, t, hv, kd))):
+  for decay, g in (("none", None), ("scalar", sd(b, t, hv)), ("channel", sd(b, t, hv, kd))):
     def loss(q, k, v, beta, g, kw):
-      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False)
+      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False,
+                            blocks=blocks)
       return jnp.sum(o) + jnp.sum(s)
-    f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 5) + ((4,) if g is not None else ()))
     args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv), g, sd(b, t, hv, kd))
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     ir = capsys.readouterr().out
-    kernels = {n for n in ("prep", "state_fwd", "output", "prep_bwd", "dv_local", "state_bwd", "grads")
-               if f"@delta_rule_{n}(" in ir}
-    assert len(kernels) == 7, (decay, kernels)
+    names = set(re.findall(r"@delta_rule_(\w+)\(", ir))
+    assert names == _expected_kernels(decay), (decay, names)
     assert ir.count("tt.dot") > 0 and "inputPrecision = tf32" not in ir
   assert all(verified), verified

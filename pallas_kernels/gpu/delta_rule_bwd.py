@@ -1,17 +1,25 @@
 """Backward kernels of the chunkwise online solve. Nothing but the inputs is saved by the forward: the
 backward reruns `prep` (W and T = (I + A)⁻¹) and `state_pass` (the chunk states S_in and V_new), then:
 
-4. `dv_local`   chunk-parallel, grid (B, HV, NC, V/BV): dV_loc = scale · Mᵀ dO with M the decayed causal
-                scores tril((Q⊙e^G)(K̃⊙e^−G)ᵀ) (what V_new receives from the chunk's own outputs).
-5. `state_bwd`  sequential in reverse, grid (B, HV, V/BV), the fp32 state gradient dS [K, BV] in registers:
-                dV_new = dV_loc + (K̃⊙e^{G_C−G}) dS;
-                dS ← e^{G_C} ⊙ dS + scale (Q⊙e^G)ᵀ dO − Wᵀ dV_new; emits dS leaving every chunk, dV_new
-                and dS0.
-6. `grads`      chunk-parallel, grid (B, HV, NC), a static loop over V blocks: dq, dk, dk_write, dv, dβ and
-                the gradient of the in-chunk cumulative log-decay G (the wrapper's autodiff turns it into the
-                log-decay gradient: a reverse cumsum, masked by the clamp).
+4. `dv_local`    chunk-parallel, grid (B, HV, NC, V/BV): dV_loc = scale · Mᵀ dO with M the decayed causal
+                 scores tril((Q⊙e^G)(K̃⊙e^−G)ᵀ) (what V_new receives from the chunk's own outputs).
+5. `state_bwd`   sequential in reverse, grid (B, HV, V/BV), the fp32 state gradient dS [K, BV] in registers:
+                 dV_new = dV_loc + (K̃⊙e^{G_C−G}) dS;
+                 dS ← e^{G_C} ⊙ dS + scale (Q⊙e^G)ᵀ dO − Wᵀ dV_new; emits dS leaving every chunk, dV_new
+                 and dS0.
+6. `grads_state` chunk-parallel, grid (B, HV, NC, K/BK), a static loop over V blocks, three [C, BK]
+                 accumulators: the state-side terms dq_state = scale (dO Sᵀ) ⊙ e^G, dW = −dV_new Sᵀ and
+                 dk̃_state = (V_new dSᵀ) ⊙ e^{G_C − G}, and their share of dG (with the chunk-end terms).
+7. `grads_intra` chunk-parallel, grid (B, HV, NC): every C×C quantity as whole-chunk dots — dM = scale dO V_newᵀ,
+                 dT = dW (βK e^G)ᵀ + dV_new (βV)ᵀ, dA = −Tᵀ dT Tᵀ — then dv = β Tᵀ dV_new and dβ's V part.
+                 Decay none / scalar: it also finishes dq, dk, dk̃, dβ, dG over a static loop of K blocks, the
+                 decayed pair products as [C, C] × [C, BK] dots with the masked factor Γ.
+                 Per-channel decay: it stores dM and dA (fp32, [B, HV, T, C]) for
+8. `grads_pairs` (per-channel only) chunk-parallel, grid (B, HV, NC, K/BK), a loop over K chunks of kc columns:
+                 the decayed pair products through s×s sub-blocks (off-diagonal factored, diagonal as pairwise
+                 [s, s, kc] tensors) and the same finish.
 
-Per chunk (S = state entering, dS = gradient of the state leaving, all C×C matrices as s×s blocks):
+Per chunk (S = state entering, dS = gradient of the state leaving):
   dW = −dV_new Sᵀ, dU = dV_new;  dT = dW (β K e^G)ᵀ + dU (β V)ᵀ;  dA = −Tᵀ dT Tᵀ (strictly lower)
   dq = scale (dO Sᵀ) ⊙ e^G + ∂⟨dM, M⟩/∂q,  dM = scale dO V_newᵀ
   dk = β (∂⟨dA, P⟩/∂k + e^G ⊙ Tᵀ dW),  P the undecorated decayed Gram (A = diag(β) P)
@@ -19,7 +27,8 @@ Per chunk (S = state entering, dS = gradient of the state leaving, all C×C matr
   dv = β Tᵀ dU,  dβ = rowsum(k ⊙ ∂⟨dA, P⟩/∂(βk)) + rowsum(Tᵀ dW ⊙ K e^G) + rowsum(Tᵀ dU ⊙ V)
   dG = q ⊙ dq + k ⊙ dk − k̃ ⊙ dk̃, plus on the chunk's last row
        Σ_j k̃_j ⊙ dk̃_state_j + e^{G_C} ⊙ rowsum(S ⊙ dS)
-(every q and k enters as x ⊙ e^{G_i}, every k̃ as x ⊙ e^{−G_j} or x ⊙ e^{G_C − G_j}).
+(every q and k enters as x ⊙ e^{G_i}, every k̃ as x ⊙ e^{−G_j} or x ⊙ e^{G_C − G_j}). Partial sums over split
+grid axes (dβ, scalar dG) come out with a leading axis and are summed in XLA.
 """
 from __future__ import annotations
 
@@ -29,9 +38,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import layout as L
-from pallas_kernels.gpu.chunk_math import F32, ChunkDecay, Pairs, dot, iota, row_scale, sub_rows
+from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, row_scale
 from pallas_kernels.gpu.config import pallas_call
-from pallas_kernels.gpu.delta_rule_fwd import _split, chunk_decay_rows, decay_to_end
+from pallas_kernels.gpu.delta_rule_fwd import _split, chunk_decay_rows, decay_rows, decay_to_end
+from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, load
+
+
+def _add(acc, x):
+  return x if acc is None else acc + x
+
+
+def _f32(shape):
+  return jax.ShapeDtypeStruct(shape, F32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -40,16 +58,18 @@ from pallas_kernels.gpu.delta_rule_fwd import _split, chunk_decay_rows, decay_to
 def _dv_local_kernel(st, *refs):
   has_g = st.decay != "none"
   q_ref, kw_ref, g_ref, do_ref, dvl_ref = _split(refs, 1, 1, int(has_g), 1, 1)
+  if st.decay != "channel":
+    M = full_scores(q_ref[...], kw_ref[...], load(g_ref, ALL) if has_g else None)
+    dvl_ref[...] = (st.scale * dot(st.lo(M), st.lo(do_ref[...]), ta=True)).astype(dvl_ref.dtype)
+    return
   s, n = st.sub, st.num_sub
-  pairs = Pairs(ChunkDecay(st.decay, g_ref, s, n), st.mm)
-  q = [sub_rows(q_ref, a, s) for a in range(n)]
-  kw = [sub_rows(kw_ref, a, s) for a in range(n)]
-  do = [st.lo(sub_rows(do_ref, a, s)) for a in range(n)]
+  P = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim)).scores(q_ref, kw_ref, strict=False,
+                                                                          mm=st.mm)
   for b in range(n):
-    acc = dot(st.lo(pairs.scores(q, kw, b, b)), do[b], ta=True)
-    for a in range(b + 1, n):
-      acc = acc + dot(st.lo(pairs.scores(q, kw, a, b)), do[a], ta=True)
-    dvl_ref[b * s:(b + 1) * s, :] = (st.scale * acc).astype(dvl_ref.dtype)
+    acc = None
+    for a in range(b, n):
+      acc = _add(acc, dot(st.lo(P[a, b]), st.lo(load(do_ref, block(a, s), dtype=None)), ta=True))
+    dvl_ref[block(b, s), :] = (st.scale * acc).astype(dvl_ref.dtype)
 
 
 def dv_local(st: L.Static, q, kw, G, do):
@@ -131,153 +151,334 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 6. Per-chunk input gradients.
+# 6. The state-side gradient terms, parallel over K blocks.
 # ---------------------------------------------------------------------------------------------------------
-def _add(acc, x):
-  return x if acc is None else acc + x
-
-
-def _grad_kernel(st, *refs):
-  has_g, sep = st.decay != "none", not st.same_keys
-  (q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, t_ref, sin_ref, dh_ref, vn_ref, dvn_ref, do_ref,
-   dq_ref, dk_ref, dkw_ref, dv_ref, dbeta_ref, dg_ref) = _split(
-       refs, 1, 1, 1, 1, 1, int(has_g), 1, 1, 1, 1, 1, 1, 1, 1, int(sep), 1, 1, int(has_g))
-  s, n = st.sub, st.num_sub
-  dec = ChunkDecay(st.decay, g_ref, s, n)
-  pairs = Pairs(dec, st.mm)
-  rows = lambda ref, a, cs=None: (sub_rows(ref, a, s) if cs is None else ref[a * s:(a + 1) * s, cs])
-  beta = [rows(beta_ref, a).astype(F32)[:, None] for a in range(n)]
-  T = {(a, b): t_ref[a * s:(a + 1) * s, b * s:(b + 1) * s] for a in range(n) for b in range(a + 1)}
-  lower = [(a, b) for a in range(n) for b in range(a + 1)]
-  Tl = {ab: st.lo(t) for ab, t in T.items()}
-
-  # The V loop: everything that contracts over V, and dv.
-  dq_s, dvn_s, dkw_s = [None] * n, [None] * n, [None] * n      # dO Sᵀ, dV_new Sᵀ, V_new dSᵀ: [s, K]
-  dM, dTu = dict.fromkeys(lower), dict.fromkeys(lower)          # dO V_newᵀ, dV_new (βV)ᵀ: [s, s]
-  dgam, dbeta = None, [None] * n
+def _grads_state_kernel(st, *refs):
+  has_g = st.decay != "none"
+  (q_ref, kw_ref, g_ref, sin_ref, dh_ref, do_ref, vn_ref, dvn_ref,
+   dq_ref, dw_ref, dkw_ref, dg_ref) = _split(refs, int(has_g), int(has_g), int(has_g), 1, 1, 1, 1, 1,
+                                             1, 1, 1, int(has_g))
+  dqs = dws = dks = dgam = None
   bvg = st.blocks.v_block("grad", st.value_dim)
   for vb in range(st.value_dim // bvg):
     cs = slice(vb * bvg, (vb + 1) * bvg)
-    S, dS = st.lo(sin_ref[:, cs]), st.lo(dh_ref[:, cs])
-    do = [st.lo(rows(do_ref, a, cs)) for a in range(n)]
-    vn = [st.lo(rows(vn_ref, a, cs)) for a in range(n)]
-    dvn = [st.lo(rows(dvn_ref, a, cs)) for a in range(n)]
-    v = [rows(v_ref, a, cs).astype(F32) for a in range(n)]
-    for a in range(n):
-      dq_s[a] = _add(dq_s[a], dot(do[a], S, tb=True))
-      dvn_s[a] = _add(dvn_s[a], dot(dvn[a], S, tb=True))
-      dkw_s[a] = _add(dkw_s[a], dot(vn[a], dS, tb=True))
-    for a, b in lower:
-      dM[a, b] = _add(dM[a, b], dot(do[a], vn[b], tb=True))
-      dTu[a, b] = _add(dTu[a, b], dot(dvn[a], st.lo(beta[b] * v[b]), tb=True))
+    S, dS = st.lo(sin_ref[:, cs]), st.lo(dh_ref[:, cs])                 # [BK, BV]
+    do, vn, dvn = (st.lo(r[:, cs]) for r in (do_ref, vn_ref, dvn_ref))   # [C, BV]
+    dqs = _add(dqs, dot(do, S, tb=True))
+    dws = _add(dws, dot(dvn, S, tb=True))
+    dks = _add(dks, dot(vn, dS, tb=True))
     if has_g:
       dgam = _add(dgam, jnp.sum(S.astype(F32) * dS.astype(F32), axis=1))
-    for b in range(n):
-      dbv = None
-      for a in range(b, n):
-        dbv = _add(dbv, dot(Tl[a, b], dvn[a], ta=True))
-      dv_ref[b * s:(b + 1) * s, cs] = beta[b] * dbv
-      dbeta[b] = _add(dbeta[b], jnp.sum(dbv * v[b], axis=1))
+  dw_ref[...] = st.lo(dws).astype(dw_ref.dtype)                        # −dW, the operand of dT and dk
+  if not has_g:
+    dq_ref[...] = st.scale * dqs
+    dkw_ref[...] = dks
+    return
+  G = load(g_ref, ALL)
+  to_end = decay_to_end(st, G)[0]                                      # e^{G_C − G}
+  dq = st.scale * row_scale(dqs, jnp.exp(G))
+  dkw = row_scale(dks, to_end)
+  dq_ref[...] = dq
+  dkw_ref[...] = dkw
+  kw = load(kw_ref, ALL)
+  dg = load(q_ref, ALL) * dq - kw * dkw
+  gl = last_row(G)
+  extra = jnp.sum(kw * dkw, axis=0) + jnp.exp(gl) * dgam               # [BK]: the chunk-end terms
+  dg = dg + jnp.where(iota(dg.shape, 0) == st.chunk - 1, extra[None, :], 0.0)
+  dg_ref[...] = jnp.sum(dg, axis=1) if st.decay == "scalar" else dg
 
-  # Through W = T (β K e^G) and T = (I + A)⁻¹ (dW = −dV_new Sᵀ). (q, k, k̃ are loaded only now, after the
-  # V loop, to keep the loop's live registers down.)
-  q = [rows(q_ref, a).astype(F32) for a in range(n)]
-  k = [rows(k_ref, a).astype(F32) for a in range(n)]
-  kw = [rows(kw_ref, a).astype(F32) for a in range(n)]
-  e = [dec.rows(a) for a in range(n)]
-  kb = [beta[b] * row_scale(k[b], e[b]) for b in range(n)]
-  dvn_sl, kbl = [st.lo(x) for x in dvn_s], [st.lo(x) for x in kb]
-  dT = {(a, b): dTu[a, b] - dot(dvn_sl[a], kbl[b], tb=True) for a, b in lower}
-  dkb = []
-  for b in range(n):
-    acc = None
-    for a in range(b, n):
-      acc = _add(acc, dot(Tl[a, b], dvn_sl[a], ta=True))
-    dkb.append(-acc)
-  Y = {}
-  for a, d in lower:                                             # Y = Tᵀ dT, the blocks with d ≤ a
-    for c in range(a, n):
-      Y[a, d] = _add(Y.get((a, d)), dot(T[c, a], dT[c, d], ta=True))
-  strict = iota((s, s), 0) > iota((s, s), 1)
-  dA = {}
-  for a, b in lower:                                             # dA = −Tᵀ dT Tᵀ = −Y Tᵀ
-    acc = None
-    for d in range(b + 1):
-      acc = _add(acc, dot(Y[a, d], T[b, d], tb=True))
-    dA[a, b] = jnp.where(strict, -acc, 0.0) if a == b else -acc
 
-  # Through the decayed pair products: M (q, k̃) and the Gram P (k, k̃).
-  dM = {ab: st.scale * w for ab, w in dM.items()}
-  bdA = {(a, b): beta[a] * w for (a, b), w in dA.items()}
-  (dq_p, R), dkw_p = pairs.grads([dM, dA], kw, [(dM, q), (bdA, k)])
+def grads_state(st: L.Static, q, kw, G, S_in, dS_out, V_new, dV_new, do):
+  """→ dq_state, dk̃_state [B, T, HV, K] fp32, −dW [B, HV, T, K] in st.mm, dG_state (scalar: [NK, B, HV, T]
+  partial sums; per channel [B, T, HV, K]; None without decay)."""
+  bk = st.blocks.k_block("grad", st.key_dim)
+  nk = st.key_dim // bk
+  w = L.chunk_v_grid
+  has_g = st.decay != "none"
+  in_specs, args = [], []
+  if has_g:
+    in_specs += [L.tokens(st, bk, w, st.key_head, split=True), L.tokens(st, bk, w, st.kw_head, split=True),
+                 L.decay_spec(st, w, width=bk)]
+    args += [q, kw, G]
+  in_specs += [L.states_k(st, bk, w), L.states_k(st, bk, w), L.tokens(st, st.value_dim, w),
+               L.head_major(st, st.value_dim, w), L.head_major(st, st.value_dim, w)]
+  args += [S_in, dS_out, do, V_new, dV_new]
+  b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
+  out_specs = [L.tokens(st, bk, w, split=True), L.head_major(st, bk, w, split=True),
+               L.tokens(st, bk, w, split=True)]
+  out_shape = [_f32((b, t, hv, kd)), jax.ShapeDtypeStruct((b, hv, t, kd), st.mm), _f32((b, t, hv, kd))]
+  if st.decay == "scalar":
+    out_specs.append(L.parts(st, w))
+    out_shape.append(_f32((nk, b, hv, t)))
+  elif st.decay == "channel":
+    out_specs.append(L.tokens(st, bk, w, split=True))
+    out_shape.append(_f32((b, t, hv, kd)))
+  kernel = lambda *refs: _grads_state_kernel(st, *refs)
+  outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad_state,
+                     num_stages=st.stages, name="delta_rule_grads_state")(*args)
+  dq_s, dws, dkw_s = outs[:3]
+  dG_s = outs[3] if has_g else None
+  return dq_s, dws, dkw_s, dG_s
 
-  to_end = [dec.to_end(a) for a in range(n)]
-  extra = None                                                   # dG at the chunk's last row
-  for a in range(n):
-    dq = st.scale * row_scale(dq_s[a], e[a]) + dq_p[a]
-    dk = beta[a] * (R[a] + row_scale(dkb[a], e[a]))
-    dkw_state = row_scale(dkw_s[a], to_end[a])
-    dkw = dkw_state + dkw_p[a]
-    dbeta[a] = dbeta[a] + jnp.sum(k[a] * R[a], axis=1) + jnp.sum(dkb[a] * row_scale(k[a], e[a]), axis=1)
-    dq_ref[a * s:(a + 1) * s, :] = dq
-    if sep:
-      dk_ref[a * s:(a + 1) * s, :] = dk
-      dkw_ref[a * s:(a + 1) * s, :] = dkw
-    else:
-      dk_ref[a * s:(a + 1) * s, :] = dk + dkw
-    dbeta_ref[a * s:(a + 1) * s] = dbeta[a]
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. The C×C gradients (dM, dT, dA), dv, and (decay none / scalar) the finish.
+# ---------------------------------------------------------------------------------------------------------
+def _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref):
+  """dM = dO V_newᵀ, dTu = dV_new (βV)ᵀ [C, C] and dβ's V part, storing dv = β Tᵀ dV_new."""
+  dM = dTu = dbeta = None
+  bvg = st.blocks.v_block("grad", st.value_dim)
+  for vb in range(st.value_dim // bvg):
+    cs = slice(vb * bvg, (vb + 1) * bvg)
+    do, vn, dvn = (st.lo(r[:, cs]) for r in (do_ref, vn_ref, dvn_ref))
+    v = load(v_ref, ALL, cs)
+    dM = _add(dM, dot(do, vn, tb=True))
+    dTu = _add(dTu, dot(dvn, st.lo(beta * v), tb=True))
+    dbv = dot(t_lo, dvn, ta=True)                                        # Tᵀ dV_new [C, BV]
+    dv_ref[:, cs] = beta * dbv
+    dbeta = _add(dbeta, jnp.sum(dbv * v, axis=1))
+  return dM, dTu, dbeta
+
+
+def _inverse_grad(T, dT):
+  """dA = −Tᵀ dT Tᵀ, strictly lower (fp32 at HIGHEST, as the products that build T)."""
+  dA = -dot(dot(T, dT, ta=True), T, tb=True)
+  return jnp.where(causal(T.shape[0], strict=True), dA, 0.0)
+
+
+def _intra_dT(st, beta, k_ref, g_ref, dw_ref, dTu, eg):
+  """dT = dTu + dW (βK e^G)ᵀ [C, C] over K blocks (the stored operand is −dW)."""
+  bk = st.blocks.k_block("grad", st.key_dim)
+  dT = dTu
+  for i in range(st.key_dim // bk):
+    cs = slice(i * bk, (i + 1) * bk)
+    e = jnp.exp(load(g_ref, ALL, cs)) if st.decay == "channel" else eg
+    kb = st.lo(beta * row_scale(load(k_ref, ALL, cs), e))             # β K e^G, as in prep
+    dT = dT - dot(dw_ref[:, cs], kb, tb=True)
+  return dT
+
+
+def _intra_finish(st, refs, outs, t_lo, beta, G, dM, dA, dbeta):
+  """Decay none / scalar: the decayed pair gradients as [C, C] × [C, BK] dots over K blocks, then dq, dk, dk̃,
+  dβ, dG — each output finished as soon as its parts exist (short live ranges)."""
+  q_ref, k_ref, kw_ref, dw_ref, dqs_ref, dkws_ref, dgs_ref = refs
+  has_g, sep = st.decay != "none", not st.same_keys
+  dq_ref, dk_ref = outs[:2]
+  dkw_ref = outs[2] if sep else None
+  dbeta_ref = outs[3 + int(sep)]
+  eg = decay_rows(st, G)
+  gam = decay_factor(G, st.chunk, strict=False)
+  Mw = st.lo(st.scale * dM * gam)                                      # the decayed pair weights
+  Aw = st.lo(dA * gam)
+  bAw = st.lo(beta * dA * gam)
+  dg = dgs_ref[...] if has_g else None
+  bk = st.blocks.k_block("grad", st.key_dim)
+  for i in range(st.key_dim // bk):
+    cs = slice(i * bk, (i + 1) * bk)
+    q, kw = load(q_ref, ALL, cs), load(kw_ref, ALL, cs)
+    dq_p = dot(Mw, st.lo(kw))
+    dq_ref[:, cs] = dqs_ref[:, cs] + dq_p
     if has_g:
-      dg = q[a] * dq + k[a] * dk - kw[a] * dkw
-      extra = _add(extra, jnp.sum(kw[a] * dkw_state, axis=0))
-      if a == n - 1:
-        extra = extra + jnp.exp(dec.last()) * dgam
-        dg = dg + jnp.where(iota(dg.shape, 0) == s - 1, extra[None, :], 0.0)
-      if st.decay == "scalar":
-        dg_ref[a * s:(a + 1) * s] = jnp.sum(dg, axis=1)
-      else:
-        dg_ref[a * s:(a + 1) * s, :] = dg
+      dg = dg + jnp.sum(q * dq_p, axis=1)
+    k = load(k_ref, ALL, cs)
+    R = dot(Aw, st.lo(kw))
+    dkb = -dot(t_lo, dw_ref[:, cs], ta=True)                           # Tᵀ dW
+    dk = beta * (R + row_scale(dkb, eg))
+    dbeta = dbeta + jnp.sum(k * R, axis=1) + jnp.sum(dkb * row_scale(k, eg), axis=1)
+    dkw_p = dot(Mw, st.lo(q), ta=True) + dot(bAw, st.lo(k), ta=True)
+    dkw = dkws_ref[:, cs] + dkw_p
+    if sep:
+      dk_ref[:, cs] = dk
+      dkw_ref[:, cs] = dkw
+    else:
+      dk_ref[:, cs] = dk + dkw
+    if has_g:
+      dg = dg + jnp.sum(k * dk - kw * dkw_p, axis=1)
+  dbeta_ref[...] = dbeta
+  if has_g:
+    outs[4 + int(sep)][...] = dg
 
 
-def grads(st: L.Static, q, k, kw, v, beta, G, T, S_in, dS_out, V_new, dV_new, do):
-  """→ (dq, dk, dk_write or None, dv) [B, T, HV, ·] per value head, dβ [B, HV, T], dG (G's layout); fp32.
+def _grads_intra_kernel(st, *refs):
+  has_g, sep, full = st.decay != "none", not st.same_keys, st.decay != "channel"
+  n_fin = int(full)
+  counts = (n_fin, 1, n_fin, 1, 1, int(has_g), 1, 1, 1, 1, 1, n_fin, n_fin, int(st.decay == "scalar"))
+  (q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, t_ref, do_ref, vn_ref, dvn_ref, dw_ref, dqs_ref, dkws_ref,
+   dgs_ref) = _split(refs, *counts)
+  outs = refs[sum(counts):]
+  T = t_ref[...].astype(F32)
+  t_lo = st.lo(T)
+  beta = load(beta_ref, ALL)[:, None]
+  dv_ref = outs[2 + int(sep)] if full else outs[0]
+  dM, dTu, dbeta = _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref)
+  G = load(g_ref, ALL) if st.decay == "scalar" else None               # [C] (per channel: by K block)
+  dA = _inverse_grad(T, _intra_dT(st, beta, k_ref, g_ref, dw_ref, dTu, decay_rows(st, G)))
+  if full:
+    _intra_finish(st, (q_ref, k_ref, kw_ref, dw_ref, dqs_ref, dkws_ref, dgs_ref), outs, t_lo, beta, G, dM, dA,
+                  dbeta)
+    return
+  dbeta_ref, dm_ref, da_ref = outs[1:4]                                # per channel: to `grads_pairs`
+  dbeta_ref[...] = dbeta
+  dm_ref[...] = st.scale * dM
+  da_ref[...] = dA
 
-  With st.same_keys, dk already holds dk + dk_write and dk_write is None.
-  """
+
+def grads_intra(st: L.Static, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, dq_s, dkw_s, dG_s):
+  """Decay none / scalar → (dq, dk, dk_write or None, dv) [B, T, HV, ·] fp32, dβ [B, HV, T], dG (G's layout
+  or None). Per channel → (dv, dβ's V part, dM, dA [B, HV, T, C] fp32) for `grads_pairs`."""
   w = L.chunk_grid
   kd, vd = st.key_dim, st.value_dim
-  in_specs = [L.tokens(st, kd, w, st.key_head), L.tokens(st, kd, w, st.key_head),
-              L.tokens(st, kd, w, st.kw_head), L.tokens(st, vd, w), L.vector(st, w)]
-  args = [q, k, kw, v, beta]
+  full, sep = st.decay != "channel", not st.same_keys
+  in_specs, args = [], []
+  if full:
+    in_specs.append(L.tokens(st, kd, w, st.key_head))
+    args.append(q)
+  in_specs.append(L.tokens(st, kd, w, st.key_head))
+  args.append(k)
+  if full:
+    in_specs.append(L.tokens(st, kd, w, st.kw_head))
+    args.append(kw)
+  in_specs += [L.tokens(st, vd, w), L.vector(st, w)]
+  args += [v, beta]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
-  in_specs += [L.head_major(st, st.chunk, w), L.states(st, vd, w), L.states(st, vd, w),
-               L.head_major(st, vd, w), L.head_major(st, vd, w), L.tokens(st, vd, w)]
-  args += [T, S_in, dS_out, V_new, dV_new, do]
-  tok = lambda width: jax.ShapeDtypeStruct((st.batch, st.length, st.value_heads, width), F32)
-  out_specs = [L.tokens(st, kd, w), L.tokens(st, kd, w)]
-  out_shape = [tok(kd), tok(kd)]
-  if not st.same_keys:
-    out_specs.append(L.tokens(st, kd, w))
-    out_shape.append(tok(kd))
-  out_specs += [L.tokens(st, vd, w), L.vector(st, w)]
-  out_shape += [tok(vd), jax.ShapeDtypeStruct((st.batch, st.value_heads, st.length), F32)]
-  if st.decay != "none":
-    out_specs.append(L.decay_spec(st, w))
-    out_shape.append(jax.ShapeDtypeStruct(
-        (st.batch, st.value_heads, st.length) if st.decay == "scalar" else tok(kd).shape, F32))
-  kernel = lambda *refs: _grad_kernel(st, *refs)
-  outs = pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
-                     out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_grad, num_stages=st.stages,
-                     name="delta_rule_grads")(*args)
-  outs = list(outs)
+  in_specs += [L.head_major(st, st.chunk, w), L.tokens(st, vd, w), L.head_major(st, vd, w),
+               L.head_major(st, vd, w), L.head_major(st, kd, w)]
+  args += [T, do, V_new, dV_new, dws]
+  if full:
+    in_specs += [L.tokens(st, kd, w), L.tokens(st, kd, w)]
+    args += [dq_s, dkw_s]
+    if st.decay == "scalar":
+      in_specs.append(L.vector(st, w))
+      args.append(dG_s)
+  b, hv, t = st.batch, st.value_heads, st.length
+  tok = lambda width: _f32((b, t, hv, width))
+  vec = _f32((b, hv, t))
+  if full:
+    out_specs = [L.tokens(st, kd, w), L.tokens(st, kd, w)] + ([L.tokens(st, kd, w)] if sep else [])
+    out_shape = [tok(kd), tok(kd)] + ([tok(kd)] if sep else [])
+    out_specs += [L.tokens(st, vd, w), L.vector(st, w)]
+    out_shape += [tok(vd), vec]
+    if st.decay == "scalar":
+      out_specs.append(L.vector(st, w))
+      out_shape.append(vec)
+  else:
+    out_specs = [L.tokens(st, vd, w), L.vector(st, w), L.head_major(st, st.chunk, w),
+                 L.head_major(st, st.chunk, w)]
+    out_shape = [tok(vd), vec, _f32((b, hv, t, st.chunk)), _f32((b, hv, t, st.chunk))]
+  kernel = lambda *refs: _grads_intra_kernel(st, *refs)
+  outs = list(pallas_call(kernel, grid=(b, hv, st.num_chunks), in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
+                          num_stages=st.stages, name="delta_rule_grads_intra")(*args))
+  if not full:
+    return tuple(outs)
   dq, dk = outs[:2]
-  dkw = None if st.same_keys else outs[2]
-  rest = outs[2 if st.same_keys else 3:]
-  dv, dbeta = rest[:2]
-  dG = rest[2] if st.decay != "none" else None
-  return dq, dk, dkw, dv, dbeta, dG
+  dkw = outs[2] if sep else None
+  rest = outs[2 + int(sep):]
+  return dq, dk, dkw, rest[0], rest[1], (rest[2] if st.decay == "scalar" else None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. Per-channel decay: the decayed pair gradients through sub-blocks, and the finish.
+# ---------------------------------------------------------------------------------------------------------
+def _pairs_chunk(st, ch, cols, refs, dbeta):
+  """One K chunk (columns `cols`, kc wide) of `grads_pairs`: stores dq, dk, dk̃ there; returns, per row block,
+  (dβ + this chunk's share [s], dG [s, kc])."""
+  (q_ref, k_ref, kw_ref, beta_ref, t_ref, dw_ref, dm_ref, da_ref, dqs_ref, dkws_ref, dgs_ref,
+   dq_ref, dk_ref, dkw_ref) = refs
+  s, n = ch.s, ch.n
+  lo = st.lo
+  q, k, kw = ([load(r, block(a, s), cols) for a in range(n)] for r in (q_ref, k_ref, kw_ref))
+  beta = [load(beta_ref, block(a, s))[:, None] for a in range(n)]
+  dq_p, R, dkw_p = [None] * n, [None] * n, [None] * n
+  for a in range(n):
+    ba = block(a, s)
+    wm, wa = dm_ref[ba, ba], da_ref[ba, ba]
+    (dq_p[a], R[a]), dy = ch.diag_grads(a, cols, kw[a], [wm, wa], [(wm, q[a]), (beta[a] * wa, k[a])])
+    dkw_p[a] = _add(dkw_p[a], dy)
+    if a == 0:
+      continue
+    fa = ch.row_factor(a, cols)
+    xq, xk = lo(q[a] * fa), lo(k[a] * fa)
+    for b in range(a):
+      bb = block(b, s)
+      fb = ch.col_factor(a, b, cols)
+      yb = lo(kw[b] * fb)
+      wm, wa = dm_ref[ba, bb], da_ref[ba, bb]
+      dq_p[a] = dq_p[a] + dot(lo(wm), yb) * fa
+      R[a] = R[a] + dot(lo(wa), yb) * fa
+      t = dot(lo(wm), xq, ta=True) + dot(lo(beta[a] * wa), xk, ta=True)
+      dkw_p[b] = dkw_p[b] + t * fb
+  out = []
+  for a in range(n):
+    ba = block(a, s)
+    eg = jnp.exp(ch.G(a, cols))
+    dkb = -dot(lo(t_ref[:, ba]), dw_ref[:, cols], ta=True)             # (Tᵀ dW) rows of block a
+    dk = beta[a] * (R[a] + dkb * eg)
+    dkw = load(dkws_ref, ba, cols) + dkw_p[a]
+    dq_ref[ba, cols] = load(dqs_ref, ba, cols) + dq_p[a]
+    if dkw_ref is not None:
+      dk_ref[ba, cols] = dk
+      dkw_ref[ba, cols] = dkw
+    else:
+      dk_ref[ba, cols] = dk + dkw
+    db = dbeta[a] + jnp.sum(k[a] * R[a], axis=1) + jnp.sum(dkb * (k[a] * eg), axis=1)
+    dg = load(dgs_ref, ba, cols) + q[a] * dq_p[a] + k[a] * dk - kw[a] * dkw_p[a]
+    out.append((db, dg))
+  return out
+
+
+def _grads_pairs_kernel(st, *refs):
+  sep = not st.same_keys
+  (q_ref, k_ref, kw_ref, g_ref, beta_ref, t_ref, dw_ref, dm_ref, da_ref, dqs_ref, dkws_ref, dgs_ref,
+   dq_ref, dk_ref, dkw_ref, dbeta_ref, dg_ref) = _split(refs, *([1] * 14), int(sep), 1, 1)
+  s, n = st.sub, st.num_sub
+  bk = g_ref.shape[-1]
+  kc = min(st.blocks.k_block("diag", st.key_dim), bk)
+  ch = Channel(g_ref, s, n, kc)
+  io = (q_ref, k_ref, kw_ref, beta_ref, t_ref, dw_ref, dm_ref, da_ref, dqs_ref, dkws_ref, dgs_ref,
+        dq_ref, dk_ref, dkw_ref)
+
+  def step(cols, dbeta):
+    parts = _pairs_chunk(st, ch, cols, io, dbeta)
+    for a, (_, dg) in enumerate(parts):
+      dg_ref[block(a, s), cols] = dg
+    return tuple(db for db, _ in parts)
+
+  zeros = tuple(jnp.zeros((s,), F32) for _ in range(n))
+  if bk == kc:
+    dbeta = step(ALL, zeros)
+  else:
+    dbeta = lax.fori_loop(0, bk // kc, lambda i, d: step(pl.ds(pl.multiple_of(i * kc, kc), kc), d), zeros)
+  for a in range(n):
+    dbeta_ref[block(a, s)] = dbeta[a]
+
+
+def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s):
+  """Per channel → (dq, dk, dk_write or None) [B, T, HV, K] fp32, dβ's K part [NK, B, HV, T], dG
+  [B, T, HV, K]."""
+  bk = st.blocks.k_block("grad", st.key_dim)
+  nk = st.key_dim // bk
+  w = L.chunk_v_grid
+  sep = not st.same_keys
+  ktok = lambda head=None: L.tokens(st, bk, w, head, split=True)
+  in_specs = [ktok(st.key_head), ktok(st.key_head), ktok(st.kw_head), L.decay_spec(st, w, width=bk),
+              L.vector(st, w), L.head_major(st, st.chunk, w), L.head_major(st, bk, w, split=True),
+              L.head_major(st, st.chunk, w), L.head_major(st, st.chunk, w), ktok(), ktok(), ktok()]
+  args = [q, k, kw, G, beta, T, dws, dM, dA, dq_s, dkw_s, dG_s]
+  b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
+  n_k = 3 if sep else 2
+  out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w), ktok()]
+  out_shape = [_f32((b, t, hv, kd)) for _ in range(n_k)] + [_f32((nk, b, hv, t)), _f32((b, t, hv, kd))]
+  kernel = lambda *refs: _grads_pairs_kernel(st, *refs)
+  outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
+                     num_stages=st.stages, name="delta_rule_grads_pairs")(*args)
+  dq, dk = outs[:2]
+  dkw = outs[2] if sep else None
+  return dq, dk, dkw, outs[n_k], outs[n_k + 1]
 
 
 def backward(st: L.Static, residuals, do, dS_T):
@@ -289,5 +490,13 @@ def backward(st: L.Static, residuals, do, dS_T):
   V_new, S_in, _ = fwd.state_pass(st, W, U, kw, G, S0)
   dvl = dv_local(st, q, kw, G, do)
   dV_new, dS_out, dS0 = state_bwd(st, W, q, kw, G, do, dvl, dS_T)
-  dq, dk, dkw, dv, dbeta, dG = grads(st, q, k, kw, v, beta, G, T, S_in, dS_out, V_new, dV_new, do)
-  return dq, dk, dkw, dv, dbeta, dG, dS0
+  dq_s, dws, dkw_s, dG_s = grads_state(st, q, kw, G, S_in, dS_out, V_new, dV_new, do)
+  if st.decay == "scalar":
+    dG_s = jnp.sum(dG_s, axis=0)
+  if st.decay != "channel":
+    dq, dk, dkw, dv, dbeta, dG = grads_intra(st, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, dq_s, dkw_s,
+                                             dG_s)
+    return dq, dk, dkw, dv, dbeta, dG, dS0
+  dv, dbeta_v, dM, dA = grads_intra(st, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, None, None, None)
+  dq, dk, dkw, dbeta_k, dG = grads_pairs(st, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s)
+  return dq, dk, dkw, dv, dbeta_v + jnp.sum(dbeta_k, axis=0), dG, dS0

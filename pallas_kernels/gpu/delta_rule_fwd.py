@@ -1,12 +1,13 @@
 """Forward kernels of the chunkwise online solve (DESIGN.md §2), for one padded problem (`layout.Static`).
 
-1. `prep`   chunk-parallel, grid (B, HV, NC): the decayed Gram
-            A = strictLower(diag(β)(K⊙e^G)(K̃⊙e^−G)ᵀ), T = (I + A)⁻¹, W = T diag(β)(K⊙e^G) [C, K] and
-            U = T diag(β) V [C, V]; optionally T itself.
+1. `prep`   chunk-parallel, grid (B, HV, NC): the decayed Gram A = strictLower(diag(β)(K⊙e^G)(K̃⊙e^−G)ᵀ) as
+            s×s blocks, T = (I + A)⁻¹ as block rows [s, C] (`intra.inverse_rows`), W = T diag(β)(K⊙e^G)
+            [C, K] and U = T diag(β) V [C, V] as [s, C] × [C, ·] dots; optionally T itself.
 2. `state_pass`  sequential, grid (B, HV, V/BV): a fori_loop over chunks with the fp32 state [K, BV] in
             registers: V_new = U − W S, S ← e^{G_C} ⊙ S + (K̃ ⊙ e^{G_C − G})ᵀ V_new; emits the state
             entering every chunk, V_new and the final state.
-3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new).
+3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new) — one
+            [C, K] × [K, C] score dot without per-channel decay, s×s sub-blocks with it.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import layout as L
-from pallas_kernels.gpu.chunk_math import F32, ChunkDecay, Pairs, dot, invert_blocks, last_row, row_scale, \
-    sub_rows
+from pallas_kernels.gpu.chunk_math import F32, dot, last_row, row_scale
 from pallas_kernels.gpu.config import pallas_call
+from pallas_kernels.gpu.intra import ALL, Channel, block, decay_factor, full_scores, inverse_rows, load
 
 
 def _split(refs, *counts):
@@ -50,32 +51,48 @@ def decay_to_end(st, G):
 # ---------------------------------------------------------------------------------------------------------
 # 1. W, U (and T) per chunk.
 # ---------------------------------------------------------------------------------------------------------
+def gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref):
+  """A = diag(β) P (strictly lower) of one chunk as {(a, m): [s, s]} for m ≤ a; exact products (raw inputs,
+  or fp32 operands for the per-channel factors)."""
+  s, n = st.sub, st.num_sub
+  if st.decay == "channel":
+    P = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim)).scores(k_ref, kw_ref, strict=True)
+  else:
+    G = [load(g_ref, block(a, s)) for a in range(n)] if st.decay == "scalar" else [None] * n
+    P = {}
+    for a in range(n):
+      ka = load(k_ref, block(a, s), dtype=None)
+      for m in range(a + 1):
+        p = dot(ka, load(kw_ref, block(m, s), dtype=None), tb=True)
+        if a == m:
+          p = p * decay_factor(G[a], s, strict=True)
+        elif G[a] is not None:
+          p = p * jnp.exp(G[a][:, None] - G[m][None, :])            # m < a: exponent ≤ 0
+        P[a, m] = p
+  return {(a, m): load(beta_ref, block(a, s))[:, None] * p for (a, m), p in P.items()}
+
+
+def decay_rows(st, g):
+  """e^G as a row factor: [C] (scalar), [C, K] (per channel) or None."""
+  return None if g is None else jnp.exp(g)
+
+
 def _prep_kernel(st, emit_t, *refs):
   has_g = st.decay != "none"
   k_ref, kw_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref = _split(
       refs, 1, 1, 1, 1, int(has_g), 1, 1, int(emit_t))
   s, n = st.sub, st.num_sub
-  dec = ChunkDecay(st.decay, g_ref, s, n)
-  pairs = Pairs(dec)
-  k = [sub_rows(k_ref, a, s) for a in range(n)]
-  kw = [sub_rows(kw_ref, a, s) for a in range(n)]
-  beta = [sub_rows(beta_ref, a, s).astype(F32)[:, None] for a in range(n)]
-  A = {(a, b): beta[a] * pairs.scores(k, kw, a, b, strict=True, exact=True)
-       for a in range(n) for b in range(a + 1)}
-  T = invert_blocks(A, n)
-  kb = [st.lo(beta[b] * row_scale(k[b].astype(F32), dec.rows(b))) for b in range(n)]
-  bv = [st.lo(beta[b] * sub_rows(v_ref, b, s).astype(F32)) for b in range(n)]
-  Tl = {ab: st.lo(t) for ab, t in T.items()}
+  T = inverse_rows(gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref), n, s)
+  if emit_t:
+    for a in range(n):
+      t_ref[block(a, s), :] = T[a]
+  beta = load(beta_ref, ALL)[:, None]
+  kb = st.lo(beta * row_scale(load(k_ref, ALL), decay_rows(st, load(g_ref, ALL) if has_g else None)))
   for a in range(n):
-    w, u = dot(Tl[a, 0], kb[0]), dot(Tl[a, 0], bv[0])
-    for b in range(1, a + 1):
-      w, u = w + dot(Tl[a, b], kb[b]), u + dot(Tl[a, b], bv[b])
-    w_ref[a * s:(a + 1) * s, :] = w.astype(w_ref.dtype)
-    u_ref[a * s:(a + 1) * s, :] = u.astype(u_ref.dtype)
-    if emit_t:
-      for b in range(n):
-        blk = T[a, b] if b <= a else jnp.zeros((s, s), F32)
-        t_ref[a * s:(a + 1) * s, b * s:(b + 1) * s] = blk
+    w_ref[block(a, s), :] = dot(st.lo(T[a]), kb).astype(w_ref.dtype)
+  bv = st.lo(beta * load(v_ref, ALL))
+  for a in range(n):
+    u_ref[block(a, s), :] = dot(st.lo(T[a]), bv).astype(u_ref.dtype)
 
 
 def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, name_suffix: str = ""):
@@ -97,7 +114,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, name_suffix: 
   kernel = lambda *refs: _prep_kernel(st, emit_t, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_chunk, num_stages=st.stages,
+                     num_warps=st.blocks.warps_prep, num_stages=st.stages,
                      name="delta_rule_prep" + name_suffix)(*args)
 
 
@@ -156,18 +173,22 @@ def state_pass(st: L.Static, W, U, kw, G, S0):
 def _output_kernel(st, *refs):
   has_g = st.decay != "none"
   q_ref, kw_ref, g_ref, sin_ref, vn_ref, o_ref = _split(refs, 1, 1, int(has_g), 1, 1, 1)
-  s, n = st.sub, st.num_sub
-  dec = ChunkDecay(st.decay, g_ref, s, n)
-  pairs = Pairs(dec, st.mm)
-  q = [sub_rows(q_ref, a, s) for a in range(n)]
-  kw = [sub_rows(kw_ref, a, s) for a in range(n)]
   S = st.lo(sin_ref[...])
-  vn = [st.lo(sub_rows(vn_ref, b, s)) for b in range(n)]
+  if st.decay != "channel":
+    g = load(g_ref, ALL) if has_g else None
+    q = q_ref[...]
+    P = full_scores(q, kw_ref[...], g)
+    acc = dot(st.lo(row_scale(q.astype(F32), decay_rows(st, g))), S) + dot(st.lo(P), st.lo(vn_ref[...]))
+    o_ref[...] = (st.scale * acc).astype(o_ref.dtype)
+    return
+  s, n = st.sub, st.num_sub
+  ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim))
+  P = ch.scores(q_ref, kw_ref, strict=False, mm=st.mm)
   for a in range(n):
-    acc = dot(st.lo(row_scale(q[a].astype(F32), dec.rows(a))), S)
+    acc = dot(st.lo(load(q_ref, block(a, s)) * jnp.exp(ch.G(a))), S)
     for b in range(a + 1):
-      acc = acc + dot(st.lo(pairs.scores(q, kw, a, b)), vn[b])
-    o_ref[a * s:(a + 1) * s, :] = (st.scale * acc).astype(o_ref.dtype)
+      acc = acc + dot(st.lo(P[a, b]), st.lo(load(vn_ref, block(b, s), dtype=None)))
+    o_ref[block(a, s), :] = (st.scale * acc).astype(o_ref.dtype)
 
 
 def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None):

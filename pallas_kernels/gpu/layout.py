@@ -6,8 +6,11 @@ Arrays (T padded to a multiple of the chunk C, K and V padded to powers of two �
   head-major (kernel intermediates): W [B, HV, T, K]; U, V_new, dV_local, dV_new [B, HV, T, V];
     T = (I + A)⁻¹ [B, HV, T, C] (the rows of each chunk's C×C block); β, scalar G, dβ, dG [B, HV, T].
   states: S_in and dS_out per chunk [B, HV, NC·K, V] (chunk c at rows c·K …); S0, S_T [B, HV, K, V].
+  C×C per chunk, head-major [B, HV, T, C]: T = (I + A)⁻¹ and (per-channel backward) dM, dA.
+  partial sums over the programs of a split grid axis: [NP, B, HV, T] (summed in XLA).
 
-Grids: chunk-parallel kernels (B, HV, NC) or (B, HV, NC, NV); sequential state passes (B, HV, NV).
+Grids: chunk-parallel kernels (B, HV, NC), (B, HV, NC, NV) or (B, HV, NC, NK); sequential state passes
+(B, HV, NV).
 Value head h reads key head h // (HV / H) and write-key head h // (HV / Hkw).
 """
 from __future__ import annotations
@@ -126,6 +129,27 @@ def states(st: Static, width: int, where, whole=False):
   return pl.BlockSpec((_SQ, _SQ, rows, width), index)
 
 
+def states_k(st: Static, rows: int, where):
+  """[B, HV, NC·K, V] per-chunk states: chunk c's K block iv (rows × V, all V) for grids split over K."""
+  nk = st.key_dim // rows
+
+  def index(*g):
+    b, h, c, ik = where(*g)
+    return b, h, c * nk + ik, 0
+
+  return pl.BlockSpec((_SQ, _SQ, rows, st.value_dim), index)
+
+
+def parts(st: Static, where):
+  """[NP, B, HV, T] per-token scalars, one partial sum per program of the grid's last axis (summed in XLA)."""
+
+  def index(*g):
+    b, h, c, ip = where(*g)
+    return ip, b, h, c
+
+  return pl.BlockSpec((_SQ, _SQ, _SQ, st.chunk), index)
+
+
 def state(st: Static, width: int, where):
   """[B, HV, K, V]: one head's state, one V block."""
 
@@ -136,10 +160,13 @@ def state(st: Static, width: int, where):
   return pl.BlockSpec((_SQ, _SQ, st.key_dim, width), index)
 
 
-def decay_spec(st: Static, where, whole=False):
-  """The cumulative log-decay G: scalar [B, HV, T] or per channel [B, T, HV, K]."""
+def decay_spec(st: Static, where, whole=False, width=None):
+  """The cumulative log-decay G: scalar [B, HV, T] or per channel [B, T, HV, K] (a K block of `width` columns,
+  the grid's last index, when given)."""
   if st.decay == "scalar":
     return vector(st, where, whole)
+  if width is not None:
+    return tokens(st, width, where, whole=whole, split=True)
   return tokens(st, st.key_dim, where, whole=whole)
 
 

@@ -1,0 +1,384 @@
+"""OSDN's sequential d-pass (DESIGN.md §1, "OSDN online hypergradient") as a Pallas GPU kernel pair.
+
+The recurrence (one (batch, head) row; u_t = k_t ⊙ k_t, n_t = max(‖k_t‖², 1e-12), s_t = ⟨d_t, u_t⟩):
+    coef_t = η β_t (1 − β_t s_t) / n_t
+    d̄_{t+1} = keep_t + coef_t u_t,   keep_t = d_t (r ≡ 1) | r_t d_t (anchor "zero") | o + r_t (d_t − o) ("init")
+    d_{t+1} = clip(d̄_{t+1}, d_min, d_max)                                            (o = d_init [G, K])
+Token t writes with d_t; the results are ds = (d_1 … d_T) [B, T, G, K] and d_{T+1} [B, G, K].
+
+Forward kernel, grid (B, G), one program per (batch, head): ⟨d, u⟩ couples all K channels, so d [K] of one head
+lives in one program's registers (one warp up to K = 128). A `fori_loop` over blocks of `block_t` tokens whose
+body is unrolled (static offsets from the block start: the row loads of a block are independent of d and can be
+issued early); the T mod block_t tokens left over are unrolled after the loop, so T needs no padding and no
+token past T is ever processed (d_{T+1} is exact for both anchors). Per token: one row load of u, scalar loads
+of β, n, r, one K-reduction, a row store of d_t.
+
+Backward kernel, same grid, the adjoint in reverse token order. With λ the cotangent of d_{t+1} (d_{T+1}'s
+cotangent to start), m_t the clip's derivative at d̄_{t+1} (1 inside, 0 outside, ½ at a bound, exactly as
+`jnp.clip`'s), μ = m_t ⊙ λ, p = ⟨u_t, μ⟩ and c_t = η β_t² / n_t (= −∂coef/∂s):
+    ∂u_t = coef_t μ − c_t p d_t      ∂β_t = η p (1 − 2 β_t s_t) / n_t      ∂n_t = −coef_t p / n_t
+    ∂r_t = ⟨d_t − o, μ⟩ (o = 0 for "zero")      ∂o += (1 − r_t) μ ("init")
+    λ ← r_t μ − c_t p u_t + ∂ds_t                 (∂d_1 = λ after token 1)
+The forward saves d_t (its output ds), so s_t and d̄_{t+1} are recomputed per token off the dependency chain;
+the chain itself is one K-reduction per token.
+
+`d_pass` is the entry point (padding K to a power of two ≥ 16, one `jax.custom_vjp` around the two kernels);
+the guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout. Registered with
+`pallas_kernels.lookup` as "osdn_d_pass" (see `supports`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu.config import padded_dim, pallas_call
+
+F32 = jnp.float32
+MAX_KEY_DIM = 256                        # d [K] stays in registers
+_SQ = getattr(pl, "squeezed", None)      # a squeezed block dim (None in older JAX)
+
+
+def _pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DPassBlocks:
+  """Launch parameters of the d-pass kernels (speed only, not numerics).
+
+  block_t:    tokens per iteration of the sequential loop (the loop body is unrolled over them).
+  num_warps:  Triton warps per program; None: 1 for K ≤ 128 (the K-reductions stay within a warp), else 2.
+  num_stages: Triton num_stages.
+  """
+  block_t: int = 32
+  num_warps: int | None = None
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if not _pow2(self.block_t):
+      raise ValueError(f"DPassBlocks.block_t={self.block_t} must be a power of two")
+    if self.num_warps is not None and not _pow2(self.num_warps):
+      raise ValueError(f"DPassBlocks.num_warps={self.num_warps} must be a power of two")
+    if self.num_stages < 1:
+      raise ValueError(f"DPassBlocks.num_stages={self.num_stages} must be ≥ 1")
+
+  def warps(self, key_dim: int) -> int:
+    return self.num_warps or (1 if key_dim <= 128 else 2)
+
+
+DEFAULT_BLOCKS = DPassBlocks()
+INTERPRET_BLOCKS = DPassBlocks(block_t=4)   # interpret mode: unrolling only costs compile time there
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything static about one d-pass call (hashable: the custom_vjp's non-differentiable argument)."""
+  batch: int
+  length: int              # T (not padded)
+  heads: int               # G
+  key_dim: int             # padded K
+  eta: float
+  d_min: float | None
+  d_max: float | None
+  mode: str                # "none" (r ≡ 1) | "zero" | "init"
+  blocks: DPassBlocks
+  interpret: bool
+
+  @property
+  def num_full(self) -> int:
+    return self.length // self.blocks.block_t
+
+  @property
+  def rem(self) -> int:
+    return self.length % self.blocks.block_t
+
+  @property
+  def has_r(self) -> bool:
+    return self.mode != "none"
+
+  @property
+  def has_o(self) -> bool:
+    return self.mode == "init"
+
+
+# BlockSpecs over the grid (b, g): whole sequences of one (batch, head).
+def _rows(st):     # [B, T, G, K] → [T, K]
+  return pl.BlockSpec((_SQ, st.length, _SQ, st.key_dim), lambda b, g: (b, 0, g, 0))
+
+
+def _scalars(st):  # [B, T, G] → [T]
+  return pl.BlockSpec((_SQ, st.length, _SQ), lambda b, g: (b, 0, g))
+
+
+def _head_vec(st):  # [B, G, K] → [K]
+  return pl.BlockSpec((_SQ, _SQ, st.key_dim), lambda b, g: (b, g, 0))
+
+
+def _param_vec(st):  # [G, K] → [K]
+  return pl.BlockSpec((_SQ, st.key_dim), lambda b, g: (g, 0))
+
+
+def _split(refs, *present):
+  """Splits a flat ref list into one entry per flag (None where the flag is False)."""
+  out, i = [], 0
+  for p in present:
+    out.append(refs[i] if p else None)
+    i += int(p)
+  assert i == len(refs)
+  return out
+
+
+def _sequential(st, token, carry, reverse: bool):
+  """Runs token(t, carry) → carry for t = 0 … T−1 (or T−1 … 0): a fori_loop over full blocks with an
+  unrolled body, and the last T mod block_t tokens unrolled on their own."""
+  bt, nf, rem = st.blocks.block_t, st.num_full, st.rem
+
+  def block(i, c):
+    t0 = i * bt
+    for j in (reversed(range(bt)) if reverse else range(bt)):
+      c = token(t0 + j, c)
+    return c
+
+  def tail(c):
+    for j in (reversed(range(rem)) if reverse else range(rem)):
+      c = token(jnp.int32(nf * bt + j), c)
+    return c
+
+  zero, count = jnp.int32(0), jnp.int32(nf)
+  if reverse:
+    c = tail(carry)
+    if nf:
+      c = lax.fori_loop(zero, count, lambda i, c: block(count - 1 - i, c), c)
+    return c
+  c = carry
+  if nf:
+    c = lax.fori_loop(zero, count, block, c)
+  return tail(c)
+
+
+def _pre_clip(st, d, u, b, n, r, o):
+  """(d̄_{t+1}, coef_t, s_t) for one token, as `precond._osdn_update` computes them."""
+  s = jnp.sum(d * u)
+  coef = st.eta * b * (1.0 - b * s) / n
+  if st.mode == "none":
+    keep = d
+  elif st.mode == "zero":
+    keep = r * d
+  else:
+    keep = o + r * (d - o)
+  return keep + coef * u, coef, s
+
+
+def _clip(st, x):
+  if st.d_min is not None:
+    x = jnp.maximum(x, st.d_min)
+  if st.d_max is not None:
+    x = jnp.minimum(x, st.d_max)
+  return x
+
+
+def _clip_grad(st, x):
+  """∂clip/∂x as `jnp.clip` defines it (1 inside, 0 outside, ½ at a bound; ¼ at d_min = d_max); None: 1."""
+  m = None
+  if st.d_min is not None:
+    m = (x > st.d_min).astype(F32) + 0.5 * (x == st.d_min).astype(F32)
+  if st.d_max is not None:
+    m_hi = (x < st.d_max).astype(F32) + 0.5 * (x == st.d_max).astype(F32)
+    m = m_hi if m is None else m * m_hi
+  return m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward: ds [B, T, G, K] (the d each token writes with), d_{T+1} [B, G, K].
+# ---------------------------------------------------------------------------------------------------------
+def _fwd_kernel(st, *refs):
+  u_ref, b_ref, n_ref, r_ref, d1_ref, o_ref, ds_ref, dl_ref = _split(
+      refs, True, True, True, st.has_r, True, st.has_o, True, True)
+  o = o_ref[...] if st.has_o else None
+
+  def token(t, d):
+    r = r_ref[t] if st.has_r else None
+    d_bar, _, _ = _pre_clip(st, d, u_ref[t, :], b_ref[t], n_ref[t], r, o)
+    ds_ref[t, :] = d
+    return _clip(st, d_bar)
+
+  dl_ref[...] = _sequential(st, token, d1_ref[...].astype(F32), reverse=False)
+
+
+def _forward(st, u, n, beta, r, d1, o):
+  args = [u, beta, n] + ([r] if st.has_r else []) + [d1] + ([o] if st.has_o else [])
+  in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
+      [_head_vec(st)] + ([_param_vec(st)] if st.has_o else [])
+  b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  return pallas_call(
+      functools.partial(_fwd_kernel, st), grid=(b, g), in_specs=in_specs,
+      out_specs=[_rows(st), _head_vec(st)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32), jax.ShapeDtypeStruct((b, g, k), F32)],
+      interpret=st.interpret, num_warps=st.blocks.warps(k), num_stages=st.blocks.num_stages,
+      name="osdn_d_pass_fwd")(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backward: the adjoint pass in reverse token order.
+# ---------------------------------------------------------------------------------------------------------
+def _bwd_kernel(st, *refs):
+  (u_ref, b_ref, n_ref, r_ref, o_ref, ds_ref, gds_ref, gl_ref,
+   du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref) = _split(
+       refs, True, True, True, st.has_r, st.has_o, True, True, True,
+       True, True, True, st.has_r, True, st.has_o)
+  o = o_ref[...] if st.has_o else None
+
+  def token(t, carry):
+    lam, acc_o = carry
+    u, d, b, n = u_ref[t, :], ds_ref[t, :], b_ref[t], n_ref[t]
+    r = r_ref[t] if st.has_r else None
+    d_bar, coef, s = _pre_clip(st, d, u, b, n, r, o)
+    m = _clip_grad(st, d_bar)
+    mu = lam if m is None else m * lam
+    p = jnp.sum(u * mu)
+    c = st.eta * b * b / n
+    du_ref[t, :] = coef * mu - (c * p) * d
+    db_ref[t] = st.eta * p * (1.0 - 2.0 * b * s) / n
+    dn_ref[t] = -coef * p / n
+    if st.has_r:
+      dr_ref[t] = jnp.sum((d - o) * mu) if st.has_o else jnp.sum(d * mu)
+      lam_prev = r * mu - (c * p) * u
+    else:
+      lam_prev = mu - (c * p) * u
+    if st.has_o:
+      acc_o = acc_o + (1.0 - r) * mu
+    return lam_prev + gds_ref[t, :], acc_o
+
+  lam0 = gl_ref[...].astype(F32)
+  lam, acc_o = _sequential(st, token, (lam0, jnp.zeros_like(lam0)), reverse=True)
+  dd1_ref[...] = lam
+  if st.has_o:
+    do_ref[...] = acc_o
+
+
+def _backward(st, u, n, beta, r, o, ds, g_ds, g_last):
+  args = [u, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + [ds, g_ds, g_last]
+  in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
+      ([_param_vec(st)] if st.has_o else []) + [_rows(st), _rows(st), _head_vec(st)]
+  b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  rows, scal, vec = (jax.ShapeDtypeStruct(s, F32) for s in ((b, t, g, k), (b, t, g), (b, g, k)))
+  out_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
+      [_head_vec(st)] + ([_head_vec(st)] if st.has_o else [])
+  out_shape = [rows, scal, scal] + ([scal] if st.has_r else []) + [vec] + ([vec] if st.has_o else [])
+  outs = pallas_call(
+      functools.partial(_bwd_kernel, st), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps(k),
+      num_stages=st.blocks.num_stages, name="osdn_d_pass_bwd")(*args)
+  du, dbeta, dn, dr, dd1, do = _split_outs(st, outs)
+  return du, dn, dbeta, dr, dd1, None if do is None else jnp.sum(do, axis=0)
+
+
+def _split_outs(st, outs):
+  outs = list(outs)
+  du, dbeta, dn = outs[:3]
+  rest = outs[3:]
+  dr = rest.pop(0) if st.has_r else None
+  dd1 = rest.pop(0)
+  do = rest.pop(0) if st.has_o else None
+  return du, dbeta, dn, dr, dd1, do
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _d_pass(st: Static, u, n, beta, r, d1, o):
+  return tuple(_forward(st, u, n, beta, r, d1, o))
+
+
+def _d_pass_fwd(st, u, n, beta, r, d1, o):
+  ds, d_last = _forward(st, u, n, beta, r, d1, o)
+  return (ds, d_last), (u, n, beta, r, o, ds)
+
+
+def _d_pass_bwd(st, res, cts):
+  u, n, beta, r, o, ds = res
+  g_ds, g_last = cts
+  return _backward(st, u, n, beta, r, o, ds, g_ds, g_last)
+
+
+_d_pass.defvjp(_d_pass_fwd, _d_pass_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry point.
+# ---------------------------------------------------------------------------------------------------------
+def _pad_last(x, size):
+  return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+@functools.partial(jax.jit, static_argnames=("eta", "d_min", "d_max", "mode", "blocks", "interpret"))
+def _run(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, mode, blocks, interpret):
+  b, t, g, kd = u.shape
+  kp = padded_dim(kd)
+  st = Static(batch=b, length=t, heads=g, key_dim=kp, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
+              blocks=blocks, interpret=interpret)
+  f32 = lambda x: None if x is None else jnp.asarray(x, F32)
+  # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.
+  u, d1 = _pad_last(f32(u), kp), _pad_last(f32(d1), kp)
+  o = _pad_last(jnp.broadcast_to(f32(d_init), (g, kd)), kp) if mode == "init" else None
+  ds, d_last = _d_pass(st, u, f32(n), f32(beta), f32(r) if mode != "none" else None, d1, o)
+  return ds[..., :kd], d_last[..., :kd]
+
+
+def _static_bound(name, x):
+  if x is None:
+    return None
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be a static number, got {x!r}") from e
+
+
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
+           blocks: DPassBlocks | None = None, interpret: bool | None = None):
+  """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
+
+  The signature and results of the unpacked `osdn_jax.dgps.precond._osdn_serial`:
+    u [B, T, G, K] (k ⊙ k), n [B, T, G] (max(‖k‖², 1e-12)), beta [B, T, G], retention None (r ≡ 1) or
+    [B, T, G], d1 [B, G, K] (the d of token 1), d_init [G, K] (or broadcastable; used by anchor "init" with
+    a retention); eta, d_min, d_max static numbers (bounds None: unbounded); anchor "zero" | "init".
+  Returns (ds [B, T, G, K], d_{T+1} [B, G, K]), fp32. Differentiable w.r.t. u, n, beta, retention, d1 and
+  d_init (zero gradient through clipped entries). `interpret` defaults to True on a CPU backend; `blocks`
+  to DEFAULT_BLOCKS compiled and INTERPRET_BLOCKS in interpret mode.
+  """
+  if u.ndim != 4:
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` must be [B, T, G, K], got shape {u.shape}")
+  b, t, g, kd = u.shape
+  if t < 1:
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` needs T ≥ 1 tokens, got shape {u.shape}")
+  if kd > MAX_KEY_DIM:
+    raise ValueError(f"osdn d_pass (pallas gpu): K = {kd} must be ≤ {MAX_KEY_DIM}")
+  for name, x in (("n", n), ("beta", beta), ("retention", retention)):
+    if x is not None and x.shape != (b, t, g):
+      raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be [B, T, G] = {(b, t, g)}, got {x.shape}")
+  if d1.shape != (b, g, kd):
+    raise ValueError(f"osdn d_pass (pallas gpu): `d1` must be [B, G, K] = {(b, g, kd)}, got {d1.shape}")
+  if anchor not in ("zero", "init"):
+    raise ValueError(f"osdn d_pass (pallas gpu): `anchor` must be 'zero' or 'init', got {anchor!r}")
+  eta = _static_bound("eta", eta)
+  d_min, d_max = _static_bound("d_min", d_min), _static_bound("d_max", d_max)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  if blocks is None:
+    blocks = INTERPRET_BLOCKS if interpret else DEFAULT_BLOCKS
+  mode = "none" if retention is None else anchor
+  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), eta=eta, d_min=d_min, d_max=d_max, mode=mode,
+              blocks=blocks, interpret=bool(interpret))
+
+
+def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
+  """Compiled on "gpu", interpret mode on "cpu"; fp32 (the d-pass's compute dtype for fp32 and bf16 keys),
+  K ≤ 256 (spec: anything with a `key_dim`, or None), unpacked sequences only; chunk_size is ignored."""
+  key_dim = getattr(spec, "key_dim", None)
+  return (platform in ("gpu", "cpu")
+          and jnp.dtype(dtype) == jnp.dtype(F32)
+          and (key_dim is None or 1 <= key_dim <= MAX_KEY_DIM)
+          and not getattr(spec, "packed", False))

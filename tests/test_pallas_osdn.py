@@ -1,0 +1,240 @@
+"""OSDN's d-pass as a Pallas GPU kernel (`pallas_kernels.gpu.osdn`) in interpret mode on CPU: d_t for every
+token, d_{T+1} and the gradients of a random projection of both w.r.t. u, n, β, r, d_1 and d_init against the
+token-serial `lax.scan` (`precond._osdn_serial(implementation="scan")`, i.e. method="sequential") in fp32;
+end to end through `osdn_write_key(method="pallas")`; dispatch; and lowering to Triton IR for CUDA.
+
+Interpret mode is slow: small shapes (B = 2, T ≈ 70, G ≤ 4, K ≤ 24), each case combining several features.
+"""
+import contextlib
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kernels
+from osdn_jax.dgps import precond
+from osdn_jax.testing import rel_rms
+from pallas_kernels.gpu import osdn
+
+TOL = 1e-6           # fp32 relative RMS, kernel against the scan
+F32 = jnp.float32
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+  """Poisoned output buffers: a token row the kernels never write shows as NaN."""
+  poison = getattr(pl, "enable_poison_buffers", None)
+  with (poison(True) if poison is not None else contextlib.nullcontext()):
+    yield
+
+
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _inputs(seed, B=2, T=70, G=4, K=20):
+  """u = k², n = ‖k‖² of spiky unit keys (normal³: large steps on few channels, so both bounds are reached),
+  β = σ(· + ½) with some β = 0 tokens (a clipped d then stays exactly at its bound: the clip's ½ gradient at
+  a tie), APF retention r = σ(· + 4), d_1 ∈ [0.5, 2], d_init [G, K] ∈ [0.8, 1.2]."""
+  rng = np.random.default_rng(seed)
+  k = _unit(rng.normal(size=(B, T, G, K)) ** 3)
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  beta = sig(rng.normal(size=(B, T, G)) + 0.5)
+  beta[:, 7::11] = 0.0
+  f = lambda x: jnp.asarray(x, F32)
+  u = f(k * k)
+  return dict(u=u, n=jnp.maximum(jnp.sum(u, -1), 1e-12), beta=f(beta), r=f(sig(rng.normal(size=(B, T, G)) + 4)),
+              d1=f(0.5 + 1.5 * rng.random(size=(B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
+
+
+def _pre_clip(a, ds, *, eta, anchor, learned_r):
+  """d̄_{t+1} for every token from the d_t each token writes with (numpy, fp64)."""
+  u, n, b, r, d0 = (np.asarray(a[x], np.float64) for x in ("u", "n", "beta", "r", "d0"))
+  d = np.asarray(ds, np.float64)
+  s = np.sum(d * u, -1)
+  step = (eta * b * (1 - b * s) / n)[..., None] * u
+  if not learned_r:
+    return d + step
+  return (r[..., None] * d if anchor == "zero" else d0 + r[..., None] * (d - d0)) + step
+
+
+def _both(a, *, learned_r, blocks=None, **kw):
+  """(kernel, scan): each (outputs, gradients of a random projection w.r.t. u, n, β, [r,] d1, d0)."""
+  names = ("u", "n", "beta", "r", "d1", "d0") if learned_r else ("u", "n", "beta", "d1", "d0")
+
+  def run(impl):
+    def fn(*xs):
+      x = dict(zip(names, xs))
+      args = (x["u"], x["n"], x["beta"], x.get("r"), x["d1"], x["d0"])
+      if impl == "kernel":
+        return osdn.d_pass(*args, blocks=blocks, **kw)
+      return precond._osdn_serial(*args, implementation="scan", **kw)
+    return fn
+
+  return _values_and_grads(run, [a[n] for n in names], ("kernel", "scan")) + (names,)
+
+
+def _values_and_grads(run, xs, impls, seed=0):
+  """Per impl: (run(impl)(*xs), gradients of Σ ⟨w, output⟩ w.r.t. every x) — one jitted call each."""
+  rng = np.random.default_rng(seed)
+  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in jax.eval_shape(run(impls[-1]), *xs)]
+  out = []
+  for impl in impls:
+    def loss(*xs):
+      outs = run(impl)(*xs)
+      return sum(jnp.sum(o * w) for o, w in zip(outs, ws)), outs
+    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(xs))), has_aux=True))(*xs)
+    out.append((tuple(outs), tuple(grads)))
+  return tuple(out)
+
+
+def _assert_close(got, want, names, outputs=("ds", "d_last"), tol=TOL):
+  """rel_rms(got, want) < tol for the outputs and every gradient; returns the errors by name."""
+  errors = {}
+  for label, g, w in zip(outputs + tuple("d" + n for n in names), got[0] + got[1], want[0] + want[1]):
+    assert g.shape == w.shape and np.all(np.isfinite(np.asarray(g))), label
+    errors[label] = rel_rms(g, w)
+  assert all(e < tol for e in errors.values()), errors
+  return errors
+
+
+# (seed, anchor, learned r, η, d_min, d_max): the clip active on both bounds (r ≡ 1; APF toward 0; APF toward
+# d_init), on the upper bound only (APF toward d_init), and no clip (r ≡ 1 toward d_init: d_init unused; APF
+# toward d_init).
+CASES = {"r1-clip": (1, "zero", False, 8.0, 0.0, 2.0),
+         "apf-zero-clip": (2, "zero", True, 12.0, 0.0, 1.5),
+         "apf-init-clip": (3, "init", True, 12.0, 0.2, 1.6),
+         "apf-init-upper-only": (4, "init", True, 12.0, None, 1.4),
+         "r1-init-noclip": (5, "init", False, 0.8, None, None),
+         "apf-init-noclip": (6, "init", True, 0.8, None, None)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_scan(case):
+  seed, anchor, learned_r, eta, lo, hi = CASES[case]
+  a = _inputs(seed)
+  got, want, names = _both(a, learned_r=learned_r, eta=eta, d_min=lo, d_max=hi, anchor=anchor)
+  errors = _assert_close(got, want, names)
+  if lo is not None or hi is not None:   # the clip is active on a good fraction of the entries
+    d_bar = _pre_clip(a, want[0][0], eta=eta, anchor=anchor, learned_r=learned_r)
+    below = np.mean(d_bar < (-np.inf if lo is None else lo))
+    above = np.mean(d_bar > (np.inf if hi is None else hi))
+    assert below + above > 0.05 and (lo is None or below > 0) and (hi is None or above > 0), (below, above)
+  assert float(jnp.max(jnp.abs(got[1][names.index("beta")]))) > 0      # gradients reach β
+  print(case, errors)
+
+
+@pytest.mark.parametrize("T,K,block_t", [(64, 16, 4), (5, 24, 8), (37, 16, 8)])
+def test_block_boundaries(T, K, block_t):
+  """T a multiple of the token block (no tail), T shorter than one block (tail only), 8-token blocks and a
+  tail."""
+  a = _inputs(T, T=T, G=2, K=K)
+  got, want, names = _both(a, learned_r=True, blocks=osdn.DPassBlocks(block_t=block_t), eta=4.0, d_min=0.0,
+                           d_max=2.0, anchor="init")
+  _assert_close(got, want, names)
+
+
+def test_chaining():
+  """Two calls through d_{T+1} equal one call."""
+  a = _inputs(3, T=40, G=2, K=16)
+  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, anchor="zero")
+  run = lambda sl, d1: osdn.d_pass(a["u"][:, sl], a["n"][:, sl], a["beta"][:, sl], a["r"][:, sl], d1, a["d0"],
+                                   **kw)
+  ds, d_last = run(slice(None), a["d1"])
+  ds1, mid = run(slice(0, 17), a["d1"])
+  ds2, end = run(slice(17, None), mid)
+  assert rel_rms(jnp.concatenate([ds1, ds2], 1), ds) < TOL and rel_rms(end, d_last) < TOL
+
+
+@pytest.mark.parametrize("anchor", ["zero", "init"])
+def test_osdn_write_key_end_to_end(anchor):
+  """osdn_write_key(method="pallas") against method="sequential": odd T, K = 20 (padded to 32), GVA gains
+  (G = 2H), APF retention, an initial state, the guard, the default clip [0, 8] with an aggressive η; values and
+  gradients w.r.t. k, β, r and the initial state."""
+  rng = np.random.default_rng(7)
+  B, T, H, G, K = 2, 69, 2, 4, 20
+  f = lambda x: jnp.asarray(x, F32)
+  k = f(_unit(rng.normal(size=(B, T, H, K))))
+  beta = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)))))
+  r = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)) - 3)))
+  d0 = f(0.5 + rng.random(size=(B, G, K)))
+
+  def run(method):
+    return lambda k, beta, r, d0: precond.osdn_write_key(k, beta, retention=r, eta=6.0, d_init=1.5,
+                                                         apf_anchor=anchor, initial_state=d0, method=method)
+
+  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "sequential"))
+  print(anchor, _assert_close(got, want, ("k", "beta", "r", "initial_state"), outputs=("k_write", "d_last")))
+
+
+def test_dispatch():
+  """lookup("osdn_d_pass") finds the kernel for fp32, K ≤ 256, unpacked; osdn_jax.dgps does not import
+  pallas_kernels; method="pallas" refuses packed sequences and traced bounds."""
+  spec = types.SimpleNamespace(key_dim=128, packed=False)
+  assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "gpu") is osdn.d_pass
+  assert pallas_kernels.lookup("osdn_d_pass", None, F32, 0, "cpu") is osdn.d_pass
+  assert pallas_kernels.lookup("osdn_d_pass", spec, jnp.float64, 0, "gpu") is None
+  assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "tpu") is None
+  assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=512), F32, 0, "gpu") is None
+  assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=64, packed=True), F32, 0,
+                               "gpu") is None
+  k = jnp.ones((1, 8, 1, 16), F32) / 4
+  beta = jnp.full((1, 8, 1), 0.5, F32)
+  with pytest.raises(ValueError, match="segment_ids"):
+    precond.osdn_write_key(k, beta, method="pallas", segment_ids=jnp.zeros((1, 8), jnp.int32))
+  with pytest.raises(ValueError, match="static"):
+    jax.jit(lambda e: precond.osdn_write_key(k, beta, eta=e, method="pallas"))(1.0)
+  code = "import sys, osdn_jax.dgps; assert 'pallas_kernels' not in sys.modules"
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _can_lower_triton() -> bool:
+  """jaxlib ≤ 0.10.2 lowers Pallas-Triton to IR without a GPU; newer ones compile in the lowering."""
+  from jax._src.lib import version as jaxlib_version
+  try:
+    has_gpu = bool(jax.devices("gpu"))
+  except RuntimeError:
+    has_gpu = False
+  return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
+
+
+@pytest.mark.skipif(not _can_lower_triton(), reason="Triton lowering needs a GPU with this jaxlib")
+@pytest.mark.parametrize("anchor,learned_r", [("zero", False), ("init", True)])
+def test_lowers_to_triton(monkeypatch, capsys, anchor, learned_r):
+  """Forward and backward (default GPU blocks, K = 128, T with a tail) lower with the Triton backend for CUDA
+  to IR that passes MLIR verification."""
+  from pallas_kernels.gpu import config
+  call = config.pl.pallas_call
+  monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
+  verified = []
+  try:   # private API: verify each Triton module where this JAX version exposes it
+    from jax._src.pallas.triton import lowering, pallas_call_registration as registration
+    lower_module = lowering.lower_jaxpr_to_triton_module
+
+    def checked(*a, **kw):
+      result = lower_module(*a, **kw)
+      verified.append(result.module.operation.verify())
+      return result
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
+  except (ImportError, AttributeError):
+    pass
+  b, t, g, kd = 2, 100, 4, 128
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+
+  def loss(u, n, beta, r, d1, d0):
+    ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
+                             anchor=anchor, interpret=False)
+    return jnp.sum(ds) + jnp.sum(d_last)
+
+  f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+  args = (sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(b, g, kd), sd(g, kd))
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
+  assert "scf.for" in ir
+  assert all(verified), verified
