@@ -142,10 +142,7 @@ def test_short_conv_does_not_leak_across_segment_starts():
 def test_mixer_packed_sequences_equal_separate_runs(name):
   run = _run_split(_mixer(name), lambda m, x, seg: m(x, segment_ids=seg))
   x = _x(2)
-  try:
-    packed = run(x, jnp.asarray(SEGMENTS, jnp.int32))
-  except NotImplementedError as e:   # the registry's stateful preconditioners do not take segment_ids yet
-    pytest.skip(f"{name}: {e}")
+  packed = run(x, jnp.asarray(SEGMENTS, jnp.int32))
   _compare_packed(packed, run(_alone(x), None))
 
 
