@@ -6,3 +6,42 @@ import jax  # noqa: E402
 
 # fp64 oracles need x64; the library must keep fp32 where it promises fp32 with x64 on, which this also tests.
 jax.config.update("jax_enable_x64", True)
+
+
+import pytest  # noqa: E402
+
+
+def _can_lower_triton() -> bool:
+  """jaxlib ≤ 0.10.2 lowers Pallas-Triton to IR without a GPU; newer ones compile in the lowering."""
+  from jax._src.lib import version as jaxlib_version
+  try:
+    has_gpu = bool(jax.devices("gpu"))
+  except RuntimeError:
+    has_gpu = False
+  return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
+
+
+@pytest.fixture
+def triton_lowering(monkeypatch):
+  """Makes every GPU kernel's pallas_call print its Triton IR (debug=True) and, where this JAX version exposes
+  the private hook, verify each lowered module. Returns the list of verification results. Skips (stating why)
+  where this jaxlib cannot lower Triton without a GPU."""
+  if not _can_lower_triton():
+    pytest.skip("Triton lowering without a GPU needs jaxlib <= 0.10.2")
+  from pallas_kernels.gpu import config
+  call = config.pl.pallas_call
+  monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
+  verified = []
+  try:   # private API: not every JAX version exposes it; then the IR is only printed and parsed
+    from jax._src.pallas.triton import lowering, pallas_call_registration as registration
+    lower_module = lowering.lower_jaxpr_to_triton_module
+    registration.lowering   # noqa: B018 (the attribute patched below)
+  except (ImportError, AttributeError):
+    return verified
+
+  def checked(*a, **kw):
+    result = lower_module(*a, **kw)
+    verified.append(result.module.operation.verify())
+    return result
+  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
+  return verified

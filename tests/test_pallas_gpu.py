@@ -172,16 +172,6 @@ def test_poison_catches_unwritten_blocks():
   assert not close(partial, want, *FP32_TOL)
 
 
-def _can_lower_triton() -> bool:
-  """jaxlib ≤ 0.10.2 lowers Pallas-Triton to IR without a GPU; newer ones compile in the lowering."""
-  from jax._src.lib import version as jaxlib_version
-  try:
-    has_gpu = bool(jax.devices("gpu"))
-  except RuntimeError:
-    has_gpu = False
-  return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
-
-
 # The pallas_calls of forward + backward, per path and decay (prep_bwd is prep emitting T).
 _KERNELS = ("prep", "state_fwd", "output", "prep_bwd", "dv_local", "state_bwd", "grads_state", "grads_intra")
 
@@ -190,26 +180,11 @@ def _expected_kernels(decay):
   return set(_KERNELS) | ({"grads_pairs"} if decay == "channel" else set())
 
 
-@pytest.mark.skipif(not _can_lower_triton(), reason="Triton lowering needs a GPU with this jaxlib")
-def test_lowers_to_triton_without_tf32(monkeypatch, capsys):
+def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
   """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification, every
   kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in TF32
   (fp32 inputs)."""
-  from pallas_kernels.gpu import config
-  call = config.pl.pallas_call
-  monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
-  verified = []
-  try:   # private API: verify each Triton module where this JAX version exposes it
-    from jax._src.pallas.triton import lowering, pallas_call_registration as registration
-    lower_module = lowering.lower_jaxpr_to_triton_module
-
-    def checked(*a, **kw):
-      result = lower_module(*a, **kw)
-      verified.append(result.module.operation.verify())
-      return result
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
-  except (ImportError, AttributeError):
-    pass
+  verified = triton_lowering
   b, t, h, hv, kd = 1, 64, 1, 2, 64
   blocks = BlockSizes(block_k_grad=32)
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)

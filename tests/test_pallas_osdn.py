@@ -193,36 +193,11 @@ def test_dispatch():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _can_lower_triton() -> bool:
-  """jaxlib ≤ 0.10.2 lowers Pallas-Triton to IR without a GPU; newer ones compile in the lowering."""
-  from jax._src.lib import version as jaxlib_version
-  try:
-    has_gpu = bool(jax.devices("gpu"))
-  except RuntimeError:
-    has_gpu = False
-  return has_gpu or tuple(jaxlib_version) <= (0, 10, 2)
-
-
-@pytest.mark.skipif(not _can_lower_triton(), reason="Triton lowering needs a GPU with this jaxlib")
 @pytest.mark.parametrize("anchor,learned_r", [("zero", False), ("init", True)])
-def test_lowers_to_triton(monkeypatch, capsys, anchor, learned_r):
+def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r):
   """Forward and backward (default GPU blocks, K = 128, T with a tail) lower with the Triton backend for CUDA
   to IR that passes MLIR verification."""
-  from pallas_kernels.gpu import config
-  call = config.pl.pallas_call
-  monkeypatch.setattr(config.pl, "pallas_call", lambda *a, **kw: call(*a, **dict(kw, debug=True)))
-  verified = []
-  try:   # private API: verify each Triton module where this JAX version exposes it
-    from jax._src.pallas.triton import lowering, pallas_call_registration as registration
-    lower_module = lowering.lower_jaxpr_to_triton_module
-
-    def checked(*a, **kw):
-      result = lower_module(*a, **kw)
-      verified.append(result.module.operation.verify())
-      return result
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", checked)
-  except (ImportError, AttributeError):
-    pass
+  verified = triton_lowering
   b, t, g, kd = 2, 100, 4, 128
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
 

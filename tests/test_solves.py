@@ -1,7 +1,4 @@
 """Chunked XLA solves against the token-serial oracle: outputs, final states and every input gradient."""
-import itertools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

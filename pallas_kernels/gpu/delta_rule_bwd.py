@@ -137,12 +137,7 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T):
   in_specs += [L.tokens(st, bv, w, whole=True, split=True), L.head_major(st, bv, w, whole=True, split=True),
                L.state(st, bv, w)]
   args += [do, dvl, dS_T]
-  hv = (st.batch, st.value_heads)
-  out_specs = [L.head_major(st, bv, w, whole=True, split=True), L.states(st, bv, w, whole=True),
-               L.state(st, bv, w)]
-  out_shape = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
-               jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
-               jax.ShapeDtypeStruct((*hv, st.key_dim, st.value_dim), F32)]
+  out_specs, out_shape = L.state_pass_outputs(st, bv, w)
   kernel = lambda *refs: _state_bwd_kernel(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,

@@ -154,12 +154,7 @@ def state_pass(st: L.Static, W, U, kw, G, S0):
     args.append(G)
   in_specs.append(L.state(st, bv, w))
   args.append(S0)
-  hv = (st.batch, st.value_heads)
-  out_specs = [L.head_major(st, bv, w, whole=True, split=True), L.states(st, bv, w, whole=True),
-               L.state(st, bv, w)]
-  out_shape = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
-               jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
-               jax.ShapeDtypeStruct((*hv, st.key_dim, st.value_dim), F32)]
+  out_specs, out_shape = L.state_pass_outputs(st, bv, w)
   kernel = lambda *refs: _state_kernel(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -181,3 +182,14 @@ def chunk_v_grid(b, h, c, iv):
 
 def seq_grid(b, h, iv):
   return b, h, None, iv
+
+
+def state_pass_outputs(st: Static, bv: int, w):
+  """(out_specs, out_shape) of both sequential state passes: a per-token [B, HV, T, V] array and the per-chunk
+  states [B, HV, NC·K, V] in st.mm, and one [B, HV, K, V] fp32 state."""
+  hv = (st.batch, st.value_heads)
+  specs = [head_major(st, bv, w, whole=True, split=True), states(st, bv, w, whole=True), state(st, bv, w)]
+  shapes = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
+            jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
+            jax.ShapeDtypeStruct((*hv, st.key_dim, st.value_dim), jnp.float32)]
+  return specs, shapes
