@@ -1,8 +1,9 @@
 """Per-kernel times of the Pallas GPU delta rule (forward and backward stages), to see where time goes.
 
-Times each pallas_call of the forward (prep, state_pass, output) and of the backward (prep with T, state_pass,
-dv_local, state_bwd, grads_state, grads_intra and, with per-channel decay, grads_pairs) on its own, jitted,
-median of runs; bf16 inputs, the default blocks.
+Times each pallas_call of the forward (prep, state_pass, output; prep emitting T as under autodiff) and of
+the backward (wu from T, state_pass, dv_local, state_bwd, grads_state, grads_intra and grads_finish, or with
+per-channel decay grads_pairs) on its own, jitted, per call with back-to-back calls (experiments.timing);
+bf16 inputs, the default blocks.
 Then the whole forward and the whole backward (every kernel chained, as the custom_vjp runs them).
 
   python -m experiments.profile_pallas --shape 4,4096,16,128 --decay none
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 import traceback
 
 import jax
@@ -28,31 +28,25 @@ from pallas_kernels.gpu import delta_rule_bwd as bwd
 from pallas_kernels.gpu import delta_rule_fwd as fwd
 from pallas_kernels.gpu.census import census, format_census
 from pallas_kernels.gpu.config import DEFAULT_BLOCKS
+from experiments.timing import jax_ms
 from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
-    "prep": [dict(warps_prep=1), dict(warps_prep=2), dict(warps_prep=8)],
+    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(sub=32), dict(sub=32, warps_prep=8)],
+    "state_pass": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
+    "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
+    "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
     "output": [dict(warps_chunk=8), dict(block_v_out=64)],
     "dv_local": [dict(warps_chunk=8), dict(block_v_out=64)],
     "grads_state": [dict(warps_grad_state=8), dict(block_k_grad=32), dict(block_k_grad=128, warps_grad_state=8),
                     dict(block_v_grad=32), dict(block_v_grad=128)],
-    "grads_intra": [dict(warps_grad=4), dict(block_v_grad=128), dict(block_k_grad=128),
-                    dict(warps_grad=4, block_v_grad=32)],
+    "grads_intra": [dict(warps_grad=4), dict(block_v_grad=128), dict(block_v_grad=32)],
+    "grads_finish": [dict(warps_finish=4), dict(block_k_grad=32), dict(block_k_grad=32, warps_finish=4),
+                     dict(block_k_grad=128)],
     "grads_pairs": [dict(warps_grad=4), dict(block_k_diag=32), dict(block_k_grad=32, block_k_diag=32),
                     dict(block_k_grad=16, warps_grad=4)],
 }
-
-
-def _ms(fn, *args, runs=20):
-  """Median wall ms of fn(*args), synchronised, after one untimed call."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
 
 
 def make_inputs(b, t, h, d, decay, chunk):
@@ -110,28 +104,28 @@ def stages(st, x, report=lambda kern: None):
   W, U = add("prep", lambda s, *a: fwd.prep(s, *a), k, k, v, beta, G)
   V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(s, *a), W, U, k, G, S0)
   add("output", lambda s, *a: fwd.output(s, *a, jnp.bfloat16), q, k, G, S_in, V_new)
-  W2, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a, emit_t=True, name_suffix="_bwd"),
-                 k, k, v, beta, G)
+  _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a, emit_t=True), k, k, v, beta, G)
+  add("wu (from T)", lambda s, *a: fwd.prep(s, *a[:5], T=a[5]), k, k, v, beta, G, T)
   dvl = add("dv_local", lambda s, *a: bwd.dv_local(s, *a), q, k, G, do)
-  dV_new, dS_out, _ = add("state_bwd", lambda s, *a: bwd.state_bwd(s, *a), W2, q, k, G, do, dvl, dS)
+  dV_new, dS_out, _ = add("state_bwd", lambda s, *a: bwd.state_bwd(s, *a), W, q, k, G, do, dvl, dS)
   dq_s, dws, dkw_s, dG_s = add("grads_state", lambda s, *a: bwd.grads_state(s, *a), q, k, G, S_in, dS_out,
                                V_new, dV_new, do)
   if st.decay == "scalar":
     dG_s = jnp.sum(dG_s, axis=0)
+  dv, dbeta_v, Mw, Aw = add("grads_intra", lambda s, *a: bwd.grads_intra(s, *a), k, v, beta, G, T, V_new,
+                            dV_new, do, dws)
   if st.decay != "channel":
-    add("grads_intra", lambda s, *a: bwd.grads_intra(s, *a), q, k, k, v, beta, G, T, V_new, dV_new, do, dws,
-        dq_s, dkw_s, dG_s)
-    return out
-  _, _, dM, dA = add("grads_intra", lambda s, *a: bwd.grads_intra(s, *a), q, k, k, v, beta, G, T, V_new, dV_new,
-                     do, dws, None, None, None)
-  add("grads_pairs", lambda s, *a: bwd.grads_pairs(s, *a), q, k, k, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s)
+    add("grads_finish", lambda s, *a: bwd.grads_finish(s, *a), q, k, k, beta, G, T, dws, Mw, Aw, dq_s, dkw_s)
+  else:
+    add("grads_pairs", lambda s, *a: bwd.grads_pairs(s, *a), q, k, k, beta, G, T, dws, Mw, Aw, dq_s, dkw_s,
+        dG_s)
   return out
 
 
 def _timed(label, run, runs):
-  """Median ms of run() (the first call, compile included, is not timed); None if it fails."""
+  """Per-call ms of run(), pipelined (experiments.timing; compile not timed); None if it fails."""
   try:
-    ms = _ms(run, runs=runs)
+    ms = jax_ms(run, n=runs)
     print(f"{label:52s} {ms:8.3f} ms", flush=True)
     return ms
   except Exception as e:  # noqa: BLE001 — a kernel that fails to compile is reported, the rest still runs
@@ -161,9 +155,10 @@ def main():
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay} "
         f"chunk={a.chunk}", flush=True)
   if a.census:
-    res = {"fwd": fwd.forward, "bwd": lambda *r: bwd.backward(st, r[:7], r[7], r[8])}
-    rows = census(lambda *r: res["fwd"](st, *r), x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
-    rows += census(res["bwd"], x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"], x["do"], x["dS"])
+    inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
+    rows = census(lambda *r: fwd.forward(st, *r, emit_t=True), *inputs)
+    T = fwd.forward(st, *inputs, emit_t=True)[2]
+    rows += census(lambda *r: bwd.backward(st, (*r[:7], None, r[7]), r[8], r[9]), *inputs, T, x["do"], x["dS"])
     print(format_census(rows))
     return
   sweep = set(SWEEPS) if a.sweep == "all" else {n for n in a.sweep.split(",") if n}
@@ -172,9 +167,9 @@ def main():
   def report(kern):
     ms = _timed(kern.name, lambda: kern(st), a.runs)
     if ms is not None:
-      if kern.name in ("prep", "state_pass", "output"):
+      if kern.name in ("prep (with T)", "state_pass", "output"):
         total["forward"] += ms
-      if kern.name not in ("prep", "output"):
+      if not kern.name.startswith(("prep", "output")):
         total["backward"] += ms
     for over in (SWEEPS.get(kern.name, []) if kern.name in sweep else []):
       try:
@@ -189,13 +184,16 @@ def main():
   except Exception as e:  # noqa: BLE001 — a kernel failed to compile or run: its successors cannot run
     print(f"FAILED building the next kernel: {e!r}"[:2000], flush=True)
     traceback.print_exc(limit=3)
-  print(f"{'sum of kernels: forward':52s} {total['forward']:8.3f} ms")
-  print(f"{'sum of kernels: backward (reruns prep, state_pass)':52s} {total['backward']:8.3f} ms")
-  residuals = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
+  print(f"{'sum of kernels: forward (emitting T)':52s} {total['forward']:8.3f} ms")
+  print(f"{'sum of kernels: backward (reruns wu, state_pass)':52s} {total['backward']:8.3f} ms")
+  inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
   whole_fwd = jax.jit(lambda *r: fwd.forward(st, *r))
-  _timed("whole forward (jit)", lambda: whole_fwd(*residuals), a.runs)
-  whole_bwd = jax.jit(lambda *r: bwd.backward(st, r[:7], r[7], r[8]))
-  _timed("whole backward (jit)", lambda: whole_bwd(*residuals, x["do"], x["dS"]), a.runs)
+  _timed("whole forward (jit)", lambda: whole_fwd(*inputs), a.runs)
+  fwd_t = jax.jit(lambda *r: fwd.forward(st, *r, emit_t=True))
+  _timed("whole forward emitting T (jit)", lambda: fwd_t(*inputs), a.runs)
+  T = fwd_t(*inputs)[2]
+  whole_bwd = jax.jit(lambda *r: bwd.backward(st, (*r[:7], None, r[7]), r[8], r[9]))
+  _timed("whole backward (jit)", lambda: whole_bwd(*inputs, T, x["do"], x["dS"]), a.runs)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,23 @@ measurement (merged into --out), so a killed run keeps what it measured. FLA aut
 shape: time a few ops per call.
 
   python -m experiments.throughput --shapes main --ops dn,gdn --impls xla,pallas --out results/throughput.json
+
+Every implementation is timed the same way (`experiments.timing`: back-to-back calls, one synchronisation,
+median per-call time); FLA is also timed with `triton.testing.do_bench` (do_bench_ms in the JSON) as a check.
+Peak memory: FLA's torch.cuda.max_memory_allocated over one call beyond what was allocated before it; ours,
+the compiled function's temp + output bytes.
 """
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.timing import jax_ms, torch_ms
 from osdn_jax import ops
 from osdn_jax.dgps import precond
 
@@ -37,7 +42,7 @@ _IMPLS = flags.DEFINE_list("impls", ["xla", "pallas"], "our implementations (nai
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd")
 _FLA = flags.DEFINE_bool("fla", True, "also time FLA when it imports")
 _OUT = flags.DEFINE_string("out", "results/throughput.json", "JSON results (merged)")
-_SECONDS = flags.DEFINE_float("seconds", 1.0, "timing budget per measurement (median of the runs)")
+_CALLS = flags.DEFINE_integer("calls", 20, "back-to-back calls per timed repetition (experiments.timing)")
 
 
 def _inputs(op, shape, seed=0):
@@ -88,17 +93,6 @@ def _jax_fn(op, impl, mode, do):
     return jax.jit(f)
   loss = lambda x: jnp.sum(f(x).astype(jnp.float32) * do)
   return jax.jit(jax.grad(loss))
-
-
-def _time(fn, *args, budget=1.0):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times, start = [], time.perf_counter()
-  while len(times) < 5 or (time.perf_counter() - start < budget and len(times) < 200):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
 
 
 def _jax_memory(fn, *args):
@@ -175,10 +169,13 @@ def _fla_time(op, x, mode, do):
   torch.cuda.synchronize()
   base = torch.cuda.memory_allocated()
   torch.cuda.reset_peak_memory_stats()
-  ms = triton.testing.do_bench(fn, warmup=25, rep=int(1000 * _SECONDS.value), return_mode="median")
+  fn()
+  torch.cuda.synchronize()
   peak = torch.cuda.max_memory_allocated() - base
+  ms = torch_ms(fn, n=_CALLS.value)
+  bench = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
   out = run().detach().float().cpu().numpy() if mode == "fwd" else None
-  return ms, peak, out
+  return ms, peak, out, bench
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,9 +207,9 @@ def main(argv):
         key = lambda impl: f"{shape_name}/{op}/{mode}/{impl}"
         if fla and op in FLA_OP:
           try:
-            ms, mem, out = _fla_time(op, x, mode, do)
+            ms, mem, out, bench = _fla_time(op, x, mode, do)
             ref_fla = out if out is not None else ref_fla
-            results[key("fla")] = dict(ms=ms, peak_bytes=mem)
+            results[key("fla")] = dict(ms=ms, peak_bytes=mem, do_bench_ms=bench)
           except Exception as e:  # e.g. FLA refusing GDN/PGDN backward on Hopper (FLA #640)
             results[key("fla")] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
           print(key("fla"), results[key("fla")], flush=True)
@@ -222,7 +219,7 @@ def main(argv):
             continue
           try:
             fn = _jax_fn(op, impl, mode, doj)
-            entry = dict(ms=_time(fn, xj, budget=_SECONDS.value), temp_bytes=_jax_memory(fn, xj))
+            entry = dict(ms=jax_ms(fn, xj, n=_CALLS.value), temp_bytes=_jax_memory(fn, xj))
             if mode == "fwd":
               o = np.asarray(fn(xj), np.float32)
               if ref_fla is not None:

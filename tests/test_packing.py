@@ -199,8 +199,48 @@ def test_packed_initial_state_and_implementation_are_checked():
   ids = np.array([[0, 0, 1, 1, 1, 2, 2, 2]] * 2, np.int32)              # N = 6
   with pytest.raises(ValueError, match=r"`initial_state`.*\(6, 2, 16, 32\)"):
     ops.delta_rule(q, k, v, beta, segment_ids=ids, initial_state=np.zeros((2, 2, 16, 32), np.float32))
-  with pytest.raises(ValueError, match="`segment_ids`"):
-    ops.delta_rule(q, k, v, beta, segment_ids=ids, implementation="pallas")
+  # The kernels need N static: traced ids without initial_state are refused by "pallas" (auto: xla).
+  with pytest.raises(ValueError, match="`segment_ids`.*`initial_state`"):
+    jax.jit(lambda ids: ops.delta_rule(q, k, v, beta, segment_ids=ids, implementation="pallas"))(ids)
+  o, _ = jax.jit(lambda ids: ops.delta_rule(q, k, v, beta, segment_ids=ids, implementation="auto"))(ids)
+  assert o.shape == (2, 8, 2, 32)
+
+
+# The Pallas GPU kernels (interpret mode on CPU) lay the segments out chunk-aligned (pallas_kernels/gpu/packed.py).
+@pytest.mark.parametrize("decay", ["none", "scalar", "channel"])
+def test_pallas_packed_equals_each_segment_alone(decay):
+  """Values and all gradients against the fp64 segment-alone reference, per-segment initial states, value-head
+  write keys (asymmetric) with GVA; no gradient crosses a boundary."""
+  p = random_problem(11, B=IDS.shape[0], T=T, H=H, HV=HV, K=K, V=V, decay=decay, k_write="value",
+                     initial_state=False)
+  p.initial_state = np.random.default_rng(12).normal(size=(N, HV, K, V)) / np.sqrt(K)
+  compare(p, "online", "pallas", 16)
+  fn = _packed("online", "pallas", 16)
+  check_no_gradient_crosses(fn, p.arrays(jnp.float32), int(LAYOUT.n[0, 65]))
+  check_no_gradient_crosses(fn, p.arrays(jnp.float32), int(LAYOUT.n[1, 1]), nonzero=False)
+
+
+def test_pallas_packed_traced_ids_and_spare_segments():
+  """Under jit with traced ids, N from initial_state, here larger than the segments present: as in xla and
+  the oracle, the spare segments' final states are zero (and their initial states get no gradient)."""
+  ids = segment_ids([[30, 1, 29, 40], [2, 98]])
+  n_true, n = packing.num_segments(ids), packing.num_segments(ids) + 3
+  p = random_problem(13, B=2, T=T, H=H, HV=HV, K=K, V=V, decay="scalar", k_write="key", initial_state=False)
+  p.initial_state = np.random.default_rng(14).normal(size=(n, HV, K, V)) / np.sqrt(K)
+  arrays = p.arrays(jnp.float32)
+
+  def run(impl):
+    def fn(q, k, v, beta, k_write, log_decay, initial_state):
+      solve = jax.jit(lambda ids, *xs: ops.delta_rule(*xs[:4], k_write=xs[4], log_decay=xs[5],
+                                                      initial_state=xs[6], segment_ids=ids, chunk_size=32,
+                                                      output_final_state=True, implementation=impl))
+      return solve(ids, q, k, v, beta, k_write, log_decay, initial_state)
+    return vjp_all(fn, arrays)
+
+  got, want = run("pallas"), run("xla")
+  assert_trees_close(got, want, jnp.float32)
+  assert np.all(np.asarray(got["S"][n_true:]) == 0.0)
+  assert np.all(np.asarray(got["initial_state"][n_true:]) == 0.0)
 
 
 @pytest.mark.parametrize("solve", ["online", "offline"])

@@ -172,18 +172,18 @@ def test_poison_catches_unwritten_blocks():
   assert not close(partial, want, *FP32_TOL)
 
 
-# The pallas_calls of forward + backward, per path and decay (prep_bwd is prep emitting T).
-_KERNELS = ("prep", "state_fwd", "output", "prep_bwd", "dv_local", "state_bwd", "grads_state", "grads_intra")
+# The pallas_calls of forward + backward, per path and decay (prep also emits T; wu forms W, U from it).
+_KERNELS = ("prep", "state_fwd", "output", "wu", "dv_local", "state_bwd", "grads_state", "grads_intra")
 
 
 def _expected_kernels(decay):
-  return set(_KERNELS) | ({"grads_pairs"} if decay == "channel" else set())
+  return set(_KERNELS) | ({"grads_pairs"} if decay == "channel" else {"grads_finish"})
 
 
 def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
   """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification, every
-  kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in TF32
-  (fp32 inputs)."""
+  kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in plain
+  TF32 (fp32 inputs: TF32x3, BlockSizes.fp32_dots)."""
   verified = triton_lowering
   b, t, h, hv, kd = 1, 64, 1, 2, 64
   blocks = BlockSizes(block_k_grad=32)
@@ -199,5 +199,27 @@ def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
     ir = capsys.readouterr().out
     names = set(re.findall(r"@delta_rule_(\w+)\(", ir))
     assert names == _expected_kernels(decay), (decay, names)
-    assert ir.count("tt.dot") > 0 and "inputPrecision = tf32" not in ir
+    assert ir.count("tt.dot") > 0 and not re.search(r"inputPrecision = tf32(?!x3)", ir)
+    assert "inputPrecision = tf32x3" in ir         # fp32 inputs: the default BlockSizes.fp32_dots
+  assert all(verified), verified
+
+
+def test_packed_lowers_to_triton(triton_lowering, capsys):
+  """Packed sequences (segment resets in both state passes: per-chunk int32 info, dynamic-row state loads
+  and guarded stores) lower to verified Triton IR, bf16 inputs, scalar decay, traced segment ids."""
+  verified = triton_lowering
+  b, t, h, hv, kd, n = 2, 80, 1, 2, 64, 5
+  sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+
+  def loss(q, k, v, beta, g, s0, ids):
+    o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, initial_state=s0, segment_ids=ids, num_segments=n,
+                          chunk_size=32, interpret=False)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+  f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+  args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),
+          sd(b, t, hv, dtype=jnp.float32), sd(n, hv, kd, kd, dtype=jnp.float32), sd(b, t, dtype=jnp.int32))
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == _expected_kernels("scalar")
+  assert ir.count("scf.if") >= 2                 # the guarded final-state / dS0 stores
   assert all(verified), verified

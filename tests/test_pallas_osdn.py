@@ -172,9 +172,37 @@ def test_osdn_write_key_end_to_end(anchor):
   print(anchor, _assert_close(got, want, ("k", "beta", "r", "initial_state"), outputs=("k_write", "d_last")))
 
 
+@pytest.mark.parametrize("anchor,traced", [("zero", False), ("init", True)])
+def test_osdn_write_key_packed(anchor, traced):
+  """Packed sequences through the kernel against the packed token-serial scan: segments of length 1, a
+  segment ending at T, per-segment initial d; values (k̃ and every segment's last d) and gradients w.r.t. k,
+  β, r and the initial states; under jit with traced ids and spare segments (N > segments present: zero last
+  d, zero gradient), as the scan."""
+  rng = np.random.default_rng(9)
+  B, T, H, G, K = 2, 37, 1, 2, 16
+  ids = np.stack([np.repeat(np.arange(4), [1, 20, 1, 15]), np.repeat(np.arange(2), [30, 7])]).astype(np.int32)
+  n = 6 + (2 if traced else 0)
+  f = lambda x: jnp.asarray(x, F32)
+  k = f(_unit(rng.normal(size=(B, T, H, K))))
+  beta = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)))))
+  r = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)) - 3)))
+  d0 = f(0.5 + rng.random(size=(n, G, K)))
+
+  def run(method):
+    def fn(k, beta, r, d0):
+      call = lambda ids, *xs: precond.osdn_write_key(xs[0], xs[1], retention=xs[2], eta=6.0, d_init=1.5,
+                                                     apf_anchor=anchor, initial_state=xs[3], method=method,
+                                                     segment_ids=ids)
+      return (jax.jit(call) if traced else call)(ids, k, beta, r, d0)
+    return fn
+
+  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "sequential"))
+  print(anchor, _assert_close(got, want, ("k", "beta", "r", "initial_state"), outputs=("k_write", "d_last")))
+
+
 def test_dispatch():
-  """lookup("osdn_d_pass") finds the kernel for fp32, K ≤ 256, unpacked; osdn_jax.dgps does not import
-  pallas_kernels; method="pallas" refuses packed sequences and traced bounds."""
+  """lookup("osdn_d_pass") finds the kernel for fp32, K ≤ 256, packed or not; osdn_jax.dgps does not import
+  pallas_kernels; method="pallas" refuses traced bounds, "chunked" packed sequences."""
   spec = types.SimpleNamespace(key_dim=128, packed=False)
   assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "gpu") is osdn.d_pass
   assert pallas_kernels.lookup("osdn_d_pass", None, F32, 0, "cpu") is osdn.d_pass
@@ -182,34 +210,37 @@ def test_dispatch():
   assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "tpu") is None
   assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=512), F32, 0, "gpu") is None
   assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=64, packed=True), F32, 0,
-                               "gpu") is None
+                               "gpu") is osdn.d_pass
   k = jnp.ones((1, 8, 1, 16), F32) / 4
   beta = jnp.full((1, 8, 1), 0.5, F32)
   with pytest.raises(ValueError, match="segment_ids"):
-    precond.osdn_write_key(k, beta, method="pallas", segment_ids=jnp.zeros((1, 8), jnp.int32))
+    precond.osdn_write_key(k, beta, method="chunked", d_min=None, d_max=None,
+                           segment_ids=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match="static"):
     jax.jit(lambda e: precond.osdn_write_key(k, beta, eta=e, method="pallas"))(1.0)
   code = "import sys, osdn_jax.dgps; assert 'pallas_kernels' not in sys.modules"
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("anchor,learned_r", [("zero", False), ("init", True)])
-def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r):
-  """Forward and backward (default GPU blocks, K = 128, T with a tail) lower with the Triton backend for CUDA
-  to IR that passes MLIR verification."""
+@pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("init", True, False),
+                                                     ("init", True, True)])
+def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
+  """Forward and backward (default GPU blocks, K = 128, T with a tail; packed: traced segment ids, per-segment
+  d1 and last d) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
-  b, t, g, kd = 2, 100, 4, 128
-  sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  b, t, g, kd, n_seg = 2, 100, 4, 128, 5
+  sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
 
-  def loss(u, n, beta, r, d1, d0):
+  def loss(u, n, beta, r, d1, d0, ids):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor=anchor, interpret=False)
+                             anchor=anchor, segment_ids=ids if packed else None, interpret=False)
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
-  args = (sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(b, g, kd), sd(g, kd))
+  args = (sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(n_seg if packed else b, g, kd), sd(g, kd),
+          sd(b, t, dtype=jnp.int32))
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
-  assert "scf.for" in ir
+  assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified

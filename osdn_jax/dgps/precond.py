@@ -133,23 +133,24 @@ def _osdn_serial(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segmen
   """Token-serial d-pass; returns (d_t for every token [B, T, G, K], d_{T+1} [B, G, K]).
 
   With segment_ids, d restarts from d1[n] (d1 [N, G, K]) at the first token of segment n, and the second
-  result is each segment's last d, [N, G, K]. Unpacked, `implementation` "auto" runs the Pallas kernel
-  ("osdn_d_pass") on a GPU backend when one supports the call, "pallas" forces it (interpret mode on CPU),
-  "scan" (and every packed call) runs the `lax.scan`."""
-  if segment_ids is not None:
-    return _osdn_serial_packed(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
-                               segment_ids=segment_ids)
+  result is each segment's last d, [N, G, K]. `implementation` "auto" runs the Pallas kernel ("osdn_d_pass",
+  packed or not) on a GPU backend when one supports the call, "pallas" forces it (interpret mode on CPU),
+  "scan" runs the `lax.scan`."""
   if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
     import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
     static = all(x is None or isinstance(x, numbers.Real) for x in (eta, d_min, d_max))
-    spec = types.SimpleNamespace(key_dim=u.shape[-1], packed=False)
+    spec = types.SimpleNamespace(key_dim=u.shape[-1], packed=segment_ids is not None)
     kernel = static and pallas_kernels.lookup("osdn_d_pass", spec, u.dtype, 0, jax.default_backend())
     if kernel:
-      return kernel(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
+      return kernel(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
+                    segment_ids=segment_ids)
     if implementation == "pallas":
       raise ValueError(f"osdn_write_key: no Pallas d-pass kernel for K = {u.shape[-1]}, dtype "
                        f"{jnp.dtype(u.dtype).name} on {jax.default_backend()} (eta, d_min, d_max must be "
                        "static numbers); use method='sequential'")
+  if segment_ids is not None:
+    return _osdn_serial_packed(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
+                               segment_ids=segment_ids)
 
   def body(d, x):
     u_t, n_t, b_t, r_t = x
@@ -228,9 +229,9 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
     method: "sequential" (token-serial scan; any bounds), "chunked" (exact delta-rule form; only without
-      bounds, unpacked), "pallas" (the sequential pass as a Pallas kernel; interpret mode on CPU; unpacked)
-      or "auto" (chunked when d_min and d_max are None and unpacked, else sequential — the Pallas kernel on a
-      GPU backend when unpacked).
+      bounds, unpacked), "pallas" (the sequential pass as a Pallas kernel; interpret mode on CPU) or "auto"
+      (chunked when d_min and d_max are None and unpacked, else sequential — the Pallas kernel on a GPU
+      backend).
     segment_ids: None or [B, T] packed sequences (initial_state then [N, G, K]; d_{T+1} per segment).
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
@@ -244,9 +245,9 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
   if method == "chunked" and bounded:
     raise ValueError("osdn_write_key: `method`='chunked' is exact only without the clip: pass d_min=None and "
                      "d_max=None, or use method='sequential'")
-  if method in ("chunked", "pallas") and segment_ids is not None:
-    raise ValueError(f"osdn_write_key: `method`={method!r} does not take `segment_ids`; use 'sequential' or "
-                     "'auto'")
+  if method == "chunked" and segment_ids is not None:
+    raise ValueError("osdn_write_key: `method`='chunked' does not take `segment_ids`; use 'sequential', "
+                     "'pallas' or 'auto'")
   if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
     raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
                      f"got shape {beta.shape}")

@@ -22,10 +22,10 @@ def _resolve(op: str, implementation: str, spec, dtype, chunk_size: int):
     return getattr(naive, op), False
   if implementation == "xla":
     return getattr(chunked, op), True
-  if spec.packed:   # no kernel takes segment_ids yet
+  if spec.packed and spec.num_segments is None:   # kernels lay segments out by N, which must be static
     if implementation == "pallas":
-      raise ValueError(f"{op}: `implementation`='pallas' does not support `segment_ids` (packed sequences) "
-                       "yet; use 'xla' or 'auto'")
+      raise ValueError(f"{op}: `implementation`='pallas' with traced `segment_ids` needs N static: pass "
+                       "`initial_state` of shape [N, HV, K, V] (zeros are fine), or use 'xla' or 'auto'")
     return getattr(chunked, op), True
   if implementation == "auto" and jax.default_backend() == "cpu":
     return getattr(chunked, op), True
@@ -43,9 +43,10 @@ def _run(op, implementation, spec, chunk_size, segment_ids, output_final_state, 
   fn, chunk = _resolve(op, implementation, spec, q.dtype, chunk_size)
   if chunk:
     kwargs["chunk_size"] = chunk_size
-  if segment_ids is not None:   # N is passed only when the per-segment final states are wanted
+  if segment_ids is not None:   # N goes to kernels always, to the XLA path when the final states are wanted
+    kernel = fn not in (getattr(naive, op), getattr(chunked, op))
     kwargs.update(segment_ids=jnp.asarray(segment_ids),
-                  num_segments=spec.num_segments if output_final_state else None)
+                  num_segments=spec.num_segments if (output_final_state or kernel) else None)
   o, S = fn(q, *args, **kwargs)
   return o, (S if output_final_state else None)
 
@@ -63,7 +64,8 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
       channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros; [N, HV, K, V] when packed).
     output_final_state: return the final state (else None). scale: default K ** -0.5.
     chunk_size: 16, 32, 64 or 128. segment_ids: None or [B, T] packed sequences (below).
-    implementation: see the module doc ("pallas" does not take segment_ids yet; "auto" then uses xla).
+    implementation: see the module doc (packed, the kernels need N static: from concrete ids or
+      initial_state; else "auto" uses xla and "pallas" raises).
   Returns:
     (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] ([N, HV, K, V] when packed) in fp32 (fp64 for fp64
     inputs) or None).

@@ -7,6 +7,8 @@ Everything here uses only iota masks, `jnp.where`, reductions, elementwise math 
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -19,16 +21,36 @@ def iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+# How fp32 dots run: "ieee" (HIGHEST: IEEE fp32 in Triton, on the FMA units) or "tf32x3" (three TF32
+# tensor-core products with the split a = a_tf32 + a_small, about fp32 accuracy). Set per kernel body by
+# `config.pallas_call`; never plain TF32.
+_FP32_DOTS = {"ieee": (_HI, _HI), "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+_fp32_dots = ["ieee"]
+
+
+@contextlib.contextmanager
+def fp32_dots(mode: str):
+  """Within the block, `dot` of fp32 operands runs as `mode` ("ieee" | "tf32x3")."""
+  if mode not in _FP32_DOTS:
+    raise ValueError(f"fp32_dots={mode!r} must be one of {sorted(_FP32_DOTS)}")
+  _fp32_dots.append(mode)
+  try:
+    yield
+  finally:
+    _fp32_dots.pop()
+
+
 def dot(a, b, *, ta: bool = False, tb: bool = False):
   """a @ b (aᵀ / bᵀ when ta / tb) with fp32 accumulation.
 
-  Two bf16 operands multiply in bf16 (products are exact in fp32); anything else runs in fp32 at HIGHEST
-  precision (IEEE fp32 in Triton, not TF32).
+  Two bf16 operands multiply in bf16 (products are exact in fp32); anything else runs in fp32 as the
+  enclosing `fp32_dots` says (IEEE by default; never plain TF32).
   """
-  if not (a.dtype == BF16 and b.dtype == BF16):
-    a, b = a.astype(F32), b.astype(F32)
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=F32)
+  if a.dtype == BF16 and b.dtype == BF16:
+    return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=F32)
+  a, b = a.astype(F32), b.astype(F32)
+  return lax.dot_general(a, b, dims, precision=_FP32_DOTS[_fp32_dots[-1]], preferred_element_type=F32)
 
 
 def masked_exp(diff, mask):

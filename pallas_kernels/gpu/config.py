@@ -39,18 +39,26 @@ class BlockSizes:
   block_v_state: V columns per program of the two sequential state passes (forward and reverse).
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
-  block_k_grad: K columns per program of `grads_state` and of the per-channel `grads_pairs`, and per step of
-                the K loop of `grads_intra` (decay none / scalar).
+  block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
+                `grads_pairs` (per channel).
   block_k_diag: K columns per step of the per-channel diagonal sub-blocks, computed as [sub, sub, block_k_diag]
                 pairwise tensors (larger: fewer steps, more registers).
   warps_*:      Triton num_warps of the chunk-parallel forward kernels (chunk), of `prep` (prep), of the state
-                passes (state), of `grads_state` (grad_state) and of `grads_intra` / `grads_pairs` (grad).
+                passes (state), of `grads_state` (grad_state), of `grads_intra` / `grads_pairs` (grad) and of
+                `grads_finish` (finish).
   stages:       Triton num_stages (software pipelining of the loops).
+  fp32_dots:    how the fp32 dots (those that build T = (I + A)⁻¹ and dA = −Tᵀ dT Tᵀ; every dot with fp32
+                inputs) run when compiled: "tf32x3" (tensor cores, three TF32 products, about fp32 accuracy)
+                or "ieee" (exact fp32 on the FMA units, several times slower). Interpret mode is always IEEE.
+  chunk_channel: the largest chunk the per-channel kernels run at: per-channel decay solves with chunk
+                min(chunk_size, chunk_channel) (the chunk changes rounding only, not the function). 16
+                measured fastest on an H200 (docs/benchmarks.md): larger chunks unroll more sub-blocks
+                than the registers hold.
   """
   sub: int = 16
-  block_v_state: int = 64
+  block_v_state: int = 32
   block_v_out: int = 128
-  block_v_grad: int = 64
+  block_v_grad: int = 128
   block_k_grad: int = 64
   block_k_diag: int = 16
   warps_chunk: int = 4
@@ -58,10 +66,13 @@ class BlockSizes:
   warps_state: int = 4
   warps_grad_state: int = 4
   warps_grad: int = 8
+  warps_finish: int = 4
   stages: int = 2
+  chunk_channel: int = 16
+  fp32_dots: str = "tf32x3"
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
-           "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad")
+           "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish")
 
   def __post_init__(self):
     for name in self._POW2:
@@ -75,8 +86,16 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be in [16, {MAX_DIM}]")
     if self.block_k_diag > 64:
       raise ValueError(f"BlockSizes.block_k_diag={self.block_k_diag} must be ≤ 64 (registers)")
+    if self.chunk_channel not in CHUNK_SIZES:
+      raise ValueError(f"BlockSizes.chunk_channel={self.chunk_channel} must be one of {CHUNK_SIZES}")
+    if self.fp32_dots not in ("ieee", "tf32x3"):
+      raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee' or 'tf32x3'")
     if self.stages < 1:
       raise ValueError(f"BlockSizes.stages={self.stages} must be ≥ 1")
+
+  def chunk_for(self, decay: str, chunk: int) -> int:
+    """The chunk the kernels run at for a requested `chunk` and decay ("none" | "scalar" | "channel")."""
+    return min(chunk, max(self.chunk_channel, self.sub)) if decay == "channel" else chunk
 
   def check(self, chunk: int) -> None:
     if chunk not in CHUNK_SIZES:
@@ -101,8 +120,14 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def pallas_call(kernel, *, grid, in_specs, out_specs, out_shape, interpret: bool, num_warps: int,
-                num_stages: int, name: str):
-  """`pl.pallas_call` for the Triton lowering (explicit compiler params) or the CPU interpreter."""
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                num_stages: int, name: str, fp32_dots: str = "tf32x3"):
+  """`pl.pallas_call` for the Triton lowering (explicit compiler params) or the CPU interpreter. The kernel
+  body is traced with fp32 dots as `fp32_dots` says when compiled, IEEE (exact fp32) in interpret mode."""
+  from pallas_kernels.gpu import chunk_math
+
+  def body(*refs):
+    with chunk_math.fp32_dots("ieee" if interpret else fp32_dots):
+      return kernel(*refs)
+  return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, compiler_params=compiler_params(num_warps, num_stages),
                         name=name)

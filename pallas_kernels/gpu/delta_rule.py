@@ -5,8 +5,9 @@ JAX, differentiated by autodiff): T is zero-padded to a multiple of the chunk (�
 tokens leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed
 within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum), β is laid out
 head-major.
-Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = prep (with T) →
-state_pass → dv_local → state_bwd → grads. The forward saves only its inputs.
+Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = W, U from T →
+state_pass → dv_local → state_bwd → grads. The forward saves its inputs and T = (I + A)⁻¹ (fp32
+[B, HV, T, C]: the one costly intermediate); W, U, the chunk states and V_new are recomputed.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import delta_rule_bwd, delta_rule_fwd
+from pallas_kernels.gpu import delta_rule_bwd, delta_rule_fwd, packed
 from pallas_kernels.gpu.config import CHUNK_SIZES, DEFAULT_BLOCKS, MAX_DIM, BlockSizes, padded_dim
 from pallas_kernels.gpu.layout import Static
 
@@ -24,12 +25,13 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _solve(st: Static, q, k, kw, v, beta, G, S0):
-  return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0)
+def _solve(st: Static, q, k, kw, v, beta, G, S0, info):
+  return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
 
 
-def _solve_fwd(st, q, k, kw, v, beta, G, S0):
-  return _solve(st, q, k, kw, v, beta, G, S0), (q, k, kw, v, beta, G, S0)
+def _solve_fwd(st, q, k, kw, v, beta, G, S0, info):
+  o, S_T, T = delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
+  return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
 
 def _group_sum(x, heads):
@@ -39,14 +41,14 @@ def _group_sum(x, heads):
 
 
 def _solve_bwd(st, res, cts):
-  q, k, kw, v, beta, G, S0 = res
+  q, k, kw, v, beta, G, S0, info, T = res
   do, dS_T = cts
   dq, dk, dkw, dv, dbeta, dG, dS0 = delta_rule_bwd.backward(
-      st, (q, k, k if kw is None else kw, v, beta, G, S0), do, dS_T)
+      st, (q, k, k if kw is None else kw, v, beta, G, S0, info, T), do, dS_T)
   dq, dk = _group_sum(dq, st.heads).astype(q.dtype), _group_sum(dk, st.heads).astype(k.dtype)
   if kw is not None:
     dkw = _group_sum(dkw, kw.shape[2]).astype(kw.dtype)
-  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, dS0
+  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, dS0, None
 
 
 _solve.defvjp(_solve_fwd, _solve_bwd)
@@ -66,14 +68,21 @@ def _chunk_cumsum(g, chunk):
   return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "chunk_size", "blocks", "interpret", "low_precision"))
-def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, *, scale, chunk_size, blocks,
-                interpret, low_precision):
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "blocks", "interpret", "low_precision",
+                                             "num_segments"))
+def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, *, scale, chunk_size,
+                blocks, interpret, low_precision, num_segments):
   b, t, h, kd = q.shape
   hv, vd = v.shape[2:]
   dtype = q.dtype
-  tp = -(-t // chunk_size) * chunk_size
+  n_seg = num_segments if segment_ids is not None else 0
+  if n_seg:                               # one chunk-aligned row (packed.py)
+    tp = packed.row_length(b * t, n_seg, chunk_size)
+    pos, info, present = packed.chunk_aligned(segment_ids, n_seg, chunk_size)
+    row = lambda x: None if x is None else packed.to_row(x, pos, tp)
+    q, k, v, beta, k_write, log_decay = map(row, (q, k, v, beta, k_write, log_decay))
+  else:
+    tp, info = -(-t // chunk_size) * chunk_size, None
   kp, vp = padded_dim(kd), padded_dim(vd)
   if scale is None:                       # a traced scale: applied to q, the kernels use scale 1
     q = (q * scale_arr).astype(dtype)
@@ -94,15 +103,23 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, *, 
     else:
       decay, G = "channel", _chunk_cumsum(_pad_to(g, 3, kp), chunk_size)         # [B, T, HV, K]
   if initial_state is None:
-    S0 = jnp.zeros((b, hv, kp, vp), jnp.float32)
+    S0 = jnp.zeros((n_seg or b, hv, kp, vp), jnp.float32)
   else:
     S0 = _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, kp), 3, vp)
-  st = Static(batch=b, length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
+  S0_in = S0
+  if n_seg:                               # [N, HV, K, V] → [1, HV, N·K, V] (segments without tokens: zeros)
+    S0_in = jnp.where(present[:, None, None, None], S0, 0.0)
+    S0_in = jnp.swapaxes(S0_in, 0, 1).reshape(1, hv, n_seg * kp, vp)
+  st = Static(batch=q.shape[0], length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
               same_keys=kw is None, blocks=blocks, interpret=interpret,
-              low_precision=low_precision and dtype == jnp.bfloat16)
-  o, S = _solve(st, q, k, kw, v, beta, G, S0)
-  return o[:, :t, :, :vd], S[:, :, :kd, :vd]
+              low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg)
+  o, S = _solve(st, q, k, kw, v, beta, G, S0_in, info)
+  if not n_seg:
+    return o[:, :t, :, :vd], S[:, :, :kd, :vd]
+  S = jnp.swapaxes(S.reshape(hv, n_seg, kp, vp), 0, 1)
+  S = jnp.where(present[:, None, None, None], S, 0.0)      # segments without tokens: zeros, as the oracle
+  return packed.from_row(o, pos, b, t)[..., :vd], S[:, :, :kd, :vd]
 
 
 def _static_scale(scale, key_dim):
@@ -116,37 +133,45 @@ def _static_scale(scale, key_dim):
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
-               blocks: BlockSizes = DEFAULT_BLOCKS, interpret: bool | None = None,
-               bf16_matmuls: bool = True):
+               segment_ids=None, num_segments=None, blocks: BlockSizes = DEFAULT_BLOCKS,
+               interpret: bool | None = None, bf16_matmuls: bool = True):
   """Chunkwise online solve with Pallas kernels (Triton on GPU, interpret mode on CPU).
 
   Shapes as `osdn_jax.ops.chunked.delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV];
   k_write [B, T, H or HV, K] (cast to q.dtype); log_decay None, [B, T, HV] or [B, T, HV, K];
   initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
-  `blocks` sets tile sizes; `interpret` defaults to True on a CPU backend. With bf16 inputs and
-  `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ takes bf16 operands (fp32
-  accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every dot
-  in IEEE fp32.
+  Packed (`segment_ids` [B, T], `packed.py`): `num_segments` N must be given (static); initial_state and
+  the final states are [N, HV, K, V].
+  `blocks` sets tile sizes and caps the chunk of per-channel decay (`BlockSizes.chunk_channel`); `interpret`
+  defaults to True on a CPU backend. With bf16 inputs and `bf16_matmuls` (the default), every dot except
+  those that build T = (I + A)⁻¹ takes bf16 operands (fp32 accumulation, fp32 state) and the intermediates
+  are stored in bf16, as in FLA; fp32 inputs run every dot in IEEE fp32.
   """
   blocks.check(chunk_size)
+  if log_decay is not None and jnp.ndim(log_decay) == 4:
+    chunk_size = blocks.chunk_for("channel", chunk_size)
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
     raise ValueError(f"delta_rule (pallas gpu): K and V must be ≤ {MAX_DIM}")
+  if segment_ids is not None and not num_segments:
+    raise ValueError("delta_rule (pallas gpu): with `segment_ids`, `num_segments` (N, static) must be given")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   static_scale, scale_arr = _static_scale(scale, q.shape[-1])
-  return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, scale=static_scale,
-                     chunk_size=chunk_size, blocks=blocks, interpret=interpret,
-                     low_precision=bf16_matmuls)
+  return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids,
+                     scale=static_scale, chunk_size=chunk_size, blocks=blocks, interpret=interpret,
+                     low_precision=bf16_matmuls,
+                     num_segments=int(num_segments) if segment_ids is not None else None)
 
 
 def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
-  """Compiled on "gpu"; the same kernels in interpret mode on "cpu"; bf16/fp32, K, V ≤ 256, unpacked."""
+  """Compiled on "gpu"; the same kernels in interpret mode on "cpu"; bf16/fp32, K, V ≤ 256; packed only
+  with a static number of segments."""
   return (platform in ("gpu", "cpu")
           and jnp.dtype(dtype) in SUPPORTED_DTYPES
           and chunk_size in CHUNK_SIZES
           and spec.length is not None
           and 1 <= spec.key_dim <= MAX_DIM and 1 <= spec.value_dim <= MAX_DIM
           and spec.decay in ("none", "scalar", "channel")
-          and not getattr(spec, "packed", False))       # no segment_ids (packed sequences) yet
+          and (not getattr(spec, "packed", False) or spec.num_segments is not None))

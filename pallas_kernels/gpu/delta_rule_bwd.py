@@ -11,13 +11,16 @@ backward reruns `prep` (W and T = (I + A)⁻¹) and `state_pass` (the chunk stat
                  accumulators: the state-side terms dq_state = scale (dO Sᵀ) ⊙ e^G, dW = −dV_new Sᵀ and
                  dk̃_state = (V_new dSᵀ) ⊙ e^{G_C − G}, and their share of dG (with the chunk-end terms).
 7. `grads_intra` chunk-parallel, grid (B, HV, NC): every C×C quantity as whole-chunk dots — dM = scale dO V_newᵀ,
-                 dT = dW (βK e^G)ᵀ + dV_new (βV)ᵀ, dA = −Tᵀ dT Tᵀ — then dv = β Tᵀ dV_new and dβ's V part.
-                 Decay none / scalar: it also finishes dq, dk, dk̃, dβ, dG over a static loop of K blocks, the
-                 decayed pair products as [C, C] × [C, BK] dots with the masked factor Γ.
-                 Per-channel decay: it stores dM and dA (fp32, [B, HV, T, C]) for
-8. `grads_pairs` (per-channel only) chunk-parallel, grid (B, HV, NC, K/BK), a loop over K chunks of kc columns:
-                 the decayed pair products through s×s sub-blocks (off-diagonal factored, diagonal as pairwise
-                 [s, s, kc] tensors) and the same finish.
+                 dT = dW (βK e^G)ᵀ + dV_new (βV)ᵀ, dA = −Tᵀ dT Tᵀ — then dv = β Tᵀ dV_new and dβ's V part. It stores
+                 the pair weights [B, HV, T, C]: decay none / scalar the decayed scale·dM⊙Γ, dA⊙Γ (st.mm);
+                 per channel the raw scale·dM, dA (fp32).
+8. `grads_finish` (decay none / scalar) chunk-parallel, grid (B, HV, NC, K/BK): dq, dk, dk̃ and the K block's
+                 share of dβ, dG, the decayed pair products as [C, C] × [C, BK] dots of the stored weights.
+   `grads_pairs` (per channel) the same grid, a loop over K chunks of kc columns: the decayed pair products
+                 through s×s sub-blocks (off-diagonal factored, diagonal as pairwise [s, s, kc] tensors) and
+                 the same finish.
+(`grads_intra` and the finish are two kernels, not one, so that neither holds the C×C tiles and the [C, K]
+tiles at once: fused, the kernel spilled gigabytes of registers to local memory on an H200.)
 
 Per chunk (S = state entering, dS = gradient of the state leaving):
   dW = −dV_new Sᵀ, dU = dV_new;  dT = dW (β K e^G)ᵀ + dU (β V)ᵀ;  dA = −Tᵀ dT Tᵀ (strictly lower)
@@ -89,21 +92,25 @@ def dv_local(st: L.Static, q, kw, G, do):
                      out_shape=jax.ShapeDtypeStruct((st.batch, st.value_heads, st.length, st.value_dim),
                                                     st.mm),
                      interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
-                     name="delta_rule_dv_local")(*args)
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_dv_local")(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 5. The reverse state pass.
 # ---------------------------------------------------------------------------------------------------------
 def _state_bwd_kernel(st, *refs):
-  has_g = st.decay != "none"
-  w_ref, q_ref, kw_ref, g_ref, do_ref, dvl_ref, dst_ref, dvn_ref, dh_ref, ds0_ref = _split(
-      refs, 1, 1, 1, int(has_g), 1, 1, 1, 1, 1, 1)
+  has_g, packed = st.decay != "none", st.segments > 0
+  w_ref, q_ref, kw_ref, g_ref, do_ref, dvl_ref, info_ref, dst_ref, dvn_ref, dh_ref, ds0_ref = _split(
+      refs, 1, 1, 1, int(has_g), 1, 1, int(packed), 1, 1, 1, 1)
   c_len, kd, nc = st.chunk, st.key_dim, st.num_chunks
 
   def body(i, dS):
     c = nc - 1 - i
     t0 = pl.multiple_of(c * c_len, c_len)
+    if packed:                # the state leaving a segment's last chunk is that segment's final state
+      seg, first, last = L.decode_chunk_info(info_ref[c])
+      rows = pl.ds(pl.multiple_of(seg * kd, kd), kd)
+      dS = jnp.where(last, dst_ref[rows, :].astype(F32), dS)
     dh_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = dS.astype(dh_ref.dtype)
     kw = kw_ref[pl.ds(t0, c_len), :].astype(F32)
     q = q_ref[pl.ds(t0, c_len), :].astype(F32)
@@ -116,15 +123,24 @@ def _state_bwd_kernel(st, *refs):
     dvn = dvl_ref[pl.ds(t0, c_len), :].astype(F32) + dot(st.lo(kw), st.lo(dS))
     dvn_ref[pl.ds(t0, c_len), :] = dvn.astype(dvn_ref.dtype)
     dS = dS if gamma is None else dS * gamma
-    return (dS + st.scale * dot(st.lo(q), st.lo(do_ref[pl.ds(t0, c_len), :]), ta=True)
-            - dot(w_ref[pl.ds(t0, c_len), :], st.lo(dvn), ta=True))
+    dS = (dS + st.scale * dot(st.lo(q), st.lo(do_ref[pl.ds(t0, c_len), :]), ta=True)
+          - dot(w_ref[pl.ds(t0, c_len), :], st.lo(dvn), ta=True))
+    if packed:
+      @pl.when(first)
+      def _():                # the state entering a segment's first chunk is its initial state
+        ds0_ref[rows, :] = dS
+    return dS
 
-  ds0_ref[...] = lax.fori_loop(0, nc, body, dst_ref[...].astype(F32))
+  if packed:
+    lax.fori_loop(0, nc, body, jnp.zeros((kd, dst_ref.shape[-1]), F32))
+  else:
+    ds0_ref[...] = lax.fori_loop(0, nc, body, dst_ref[...].astype(F32))
 
 
-def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T):
+def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
   """→ (dV_new [B, HV, T, V] and dS leaving each chunk [B, HV, NC·K, V] in st.mm, dS0 [B, HV, K, V]
-  fp32)."""
+  fp32). Packed: `info`, dS_T and dS0 as in `delta_rule_fwd.state_pass` (dS0 rows of absent segments are
+  not written)."""
   bv = st.blocks.v_block("state", st.value_dim)
   w = L.seq_grid
   in_specs = [L.head_major(st, st.key_dim, w, whole=True),
@@ -134,15 +150,19 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T):
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
     args.append(G)
-  in_specs += [L.tokens(st, bv, w, whole=True, split=True), L.head_major(st, bv, w, whole=True, split=True),
-               L.state(st, bv, w)]
-  args += [do, dvl, dS_T]
+  in_specs += [L.tokens(st, bv, w, whole=True, split=True), L.head_major(st, bv, w, whole=True, split=True)]
+  args += [do, dvl]
+  if st.segments:
+    in_specs.append(L.chunk_info(st))
+    args.append(info)
+  in_specs.append(L.state(st, bv, w))
+  args.append(dS_T)
   out_specs, out_shape = L.state_pass_outputs(st, bv, w)
   kernel = lambda *refs: _state_bwd_kernel(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                      num_warps=st.blocks.warps_state, num_stages=st.stages,
-                     name="delta_rule_state_bwd")(*args)
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_state_bwd")(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,14 +231,15 @@ def grads_state(st: L.Static, q, kw, G, S_in, dS_out, V_new, dV_new, do):
   kernel = lambda *refs: _grads_state_kernel(st, *refs)
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad_state,
-                     num_stages=st.stages, name="delta_rule_grads_state")(*args)
+                     num_stages=st.stages,
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_state")(*args)
   dq_s, dws, dkw_s = outs[:3]
   dG_s = outs[3] if has_g else None
   return dq_s, dws, dkw_s, dG_s
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 7. The C×C gradients (dM, dT, dA), dv, and (decay none / scalar) the finish.
+# 7. The C×C gradients (dM, dT, dA), dv and dβ's V part.
 # ---------------------------------------------------------------------------------------------------------
 def _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref):
   """dM = dO V_newᵀ, dTu = dV_new (βV)ᵀ [C, C] and dβ's V part, storing dv = β Tᵀ dV_new."""
@@ -254,125 +275,115 @@ def _intra_dT(st, beta, k_ref, g_ref, dw_ref, dTu, eg):
   return dT
 
 
-def _intra_finish(st, refs, outs, t_lo, beta, G, dM, dA, dbeta):
-  """Decay none / scalar: the decayed pair gradients as [C, C] × [C, BK] dots over K blocks, then dq, dk, dk̃,
-  dβ, dG — each output finished as soon as its parts exist (short live ranges)."""
-  q_ref, k_ref, kw_ref, dw_ref, dqs_ref, dkws_ref, dgs_ref = refs
-  has_g, sep = st.decay != "none", not st.same_keys
-  dq_ref, dk_ref = outs[:2]
-  dkw_ref = outs[2] if sep else None
-  dbeta_ref = outs[3 + int(sep)]
-  eg = decay_rows(st, G)
-  gam = decay_factor(G, st.chunk, strict=False)
-  Mw = st.lo(st.scale * dM * gam)                                      # the decayed pair weights
-  Aw = st.lo(dA * gam)
-  bAw = st.lo(beta * dA * gam)
-  dg = dgs_ref[...] if has_g else None
-  bk = st.blocks.k_block("grad", st.key_dim)
-  for i in range(st.key_dim // bk):
-    cs = slice(i * bk, (i + 1) * bk)
-    q, kw = load(q_ref, ALL, cs), load(kw_ref, ALL, cs)
-    dq_p = dot(Mw, st.lo(kw))
-    dq_ref[:, cs] = dqs_ref[:, cs] + dq_p
-    if has_g:
-      dg = dg + jnp.sum(q * dq_p, axis=1)
-    k = load(k_ref, ALL, cs)
-    R = dot(Aw, st.lo(kw))
-    dkb = -dot(t_lo, dw_ref[:, cs], ta=True)                           # Tᵀ dW
-    dk = beta * (R + row_scale(dkb, eg))
-    dbeta = dbeta + jnp.sum(k * R, axis=1) + jnp.sum(dkb * row_scale(k, eg), axis=1)
-    dkw_p = dot(Mw, st.lo(q), ta=True) + dot(bAw, st.lo(k), ta=True)
-    dkw = dkws_ref[:, cs] + dkw_p
-    if sep:
-      dk_ref[:, cs] = dk
-      dkw_ref[:, cs] = dkw
-    else:
-      dk_ref[:, cs] = dk + dkw
-    if has_g:
-      dg = dg + jnp.sum(k * dk - kw * dkw_p, axis=1)
-  dbeta_ref[...] = dbeta
-  if has_g:
-    outs[4 + int(sep)][...] = dg
-
-
 def _grads_intra_kernel(st, *refs):
-  has_g, sep, full = st.decay != "none", not st.same_keys, st.decay != "channel"
-  n_fin = int(full)
-  counts = (n_fin, 1, n_fin, 1, 1, int(has_g), 1, 1, 1, 1, 1, n_fin, n_fin, int(st.decay == "scalar"))
-  (q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, t_ref, do_ref, vn_ref, dvn_ref, dw_ref, dqs_ref, dkws_ref,
-   dgs_ref) = _split(refs, *counts)
-  outs = refs[sum(counts):]
+  has_g = st.decay != "none"
+  (k_ref, v_ref, beta_ref, g_ref, t_ref, do_ref, vn_ref, dvn_ref, dw_ref,
+   dv_ref, dbeta_ref, dm_ref, da_ref) = _split(refs, 1, 1, 1, int(has_g), *([1] * 9))
   T = t_ref[...].astype(F32)
-  t_lo = st.lo(T)
   beta = load(beta_ref, ALL)[:, None]
-  dv_ref = outs[2 + int(sep)] if full else outs[0]
-  dM, dTu, dbeta = _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref)
+  dM, dTu, dbeta = _intra_v_loop(st, st.lo(T), beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref)
+  dbeta_ref[...] = dbeta
   G = load(g_ref, ALL) if st.decay == "scalar" else None               # [C] (per channel: by K block)
   dA = _inverse_grad(T, _intra_dT(st, beta, k_ref, g_ref, dw_ref, dTu, decay_rows(st, G)))
-  if full:
-    _intra_finish(st, (q_ref, k_ref, kw_ref, dw_ref, dqs_ref, dkws_ref, dgs_ref), outs, t_lo, beta, G, dM, dA,
-                  dbeta)
+  if st.decay == "channel":                                            # raw: grads_pairs applies sub-blocks
+    dm_ref[...] = st.scale * dM
+    da_ref[...] = dA
     return
-  dbeta_ref, dm_ref, da_ref = outs[1:4]                                # per channel: to `grads_pairs`
-  dbeta_ref[...] = dbeta
-  dm_ref[...] = st.scale * dM
-  da_ref[...] = dA
+  gam = decay_factor(G, st.chunk, strict=False)                        # the decayed pair weights
+  dm_ref[...] = (st.scale * dM * gam).astype(dm_ref.dtype)
+  da_ref[...] = (dA * gam).astype(da_ref.dtype)
 
 
-def grads_intra(st: L.Static, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, dq_s, dkw_s, dG_s):
-  """Decay none / scalar → (dq, dk, dk_write or None, dv) [B, T, HV, ·] fp32, dβ [B, HV, T], dG (G's layout
-  or None). Per channel → (dv, dβ's V part, dM, dA [B, HV, T, C] fp32) for `grads_pairs`."""
+def grads_intra(st: L.Static, k, v, beta, G, T, V_new, dV_new, do, dws):
+  """→ dv [B, T, HV, V] fp32, dβ's V part [B, HV, T], and the pair weights [B, HV, T, C]: decay none / scalar
+  scale·dM⊙Γ and dA⊙Γ in st.mm (for `grads_finish`); per channel raw scale·dM and dA in fp32 (for
+  `grads_pairs`)."""
   w = L.chunk_grid
   kd, vd = st.key_dim, st.value_dim
-  full, sep = st.decay != "channel", not st.same_keys
-  in_specs, args = [], []
-  if full:
-    in_specs.append(L.tokens(st, kd, w, st.key_head))
-    args.append(q)
-  in_specs.append(L.tokens(st, kd, w, st.key_head))
-  args.append(k)
-  if full:
-    in_specs.append(L.tokens(st, kd, w, st.kw_head))
-    args.append(kw)
-  in_specs += [L.tokens(st, vd, w), L.vector(st, w)]
-  args += [v, beta]
+  in_specs = [L.tokens(st, kd, w, st.key_head), L.tokens(st, vd, w), L.vector(st, w)]
+  args = [k, v, beta]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
   in_specs += [L.head_major(st, st.chunk, w), L.tokens(st, vd, w), L.head_major(st, vd, w),
                L.head_major(st, vd, w), L.head_major(st, kd, w)]
   args += [T, do, V_new, dV_new, dws]
-  if full:
-    in_specs += [L.tokens(st, kd, w), L.tokens(st, kd, w)]
-    args += [dq_s, dkw_s]
-    if st.decay == "scalar":
-      in_specs.append(L.vector(st, w))
-      args.append(dG_s)
   b, hv, t = st.batch, st.value_heads, st.length
-  tok = lambda width: _f32((b, t, hv, width))
-  vec = _f32((b, hv, t))
-  if full:
-    out_specs = [L.tokens(st, kd, w), L.tokens(st, kd, w)] + ([L.tokens(st, kd, w)] if sep else [])
-    out_shape = [tok(kd), tok(kd)] + ([tok(kd)] if sep else [])
-    out_specs += [L.tokens(st, vd, w), L.vector(st, w)]
-    out_shape += [tok(vd), vec]
-    if st.decay == "scalar":
-      out_specs.append(L.vector(st, w))
-      out_shape.append(vec)
-  else:
-    out_specs = [L.tokens(st, vd, w), L.vector(st, w), L.head_major(st, st.chunk, w),
-                 L.head_major(st, st.chunk, w)]
-    out_shape = [tok(vd), vec, _f32((b, hv, t, st.chunk)), _f32((b, hv, t, st.chunk))]
+  pair_dtype = F32 if st.decay == "channel" else st.mm
+  out_specs = [L.tokens(st, vd, w), L.vector(st, w), L.head_major(st, st.chunk, w),
+               L.head_major(st, st.chunk, w)]
+  out_shape = [_f32((b, t, hv, vd)), _f32((b, hv, t)),
+               jax.ShapeDtypeStruct((b, hv, t, st.chunk), pair_dtype),
+               jax.ShapeDtypeStruct((b, hv, t, st.chunk), pair_dtype)]
   kernel = lambda *refs: _grads_intra_kernel(st, *refs)
-  outs = list(pallas_call(kernel, grid=(b, hv, st.num_chunks), in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
-                          num_stages=st.stages, name="delta_rule_grads_intra")(*args))
-  if not full:
-    return tuple(outs)
+  return tuple(pallas_call(kernel, grid=(b, hv, st.num_chunks), in_specs=in_specs, out_specs=out_specs,
+                           out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
+                           num_stages=st.stages,
+                           fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_intra")(*args))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7b. Decay none / scalar: the pair gradients and the finish, parallel over K blocks.
+# ---------------------------------------------------------------------------------------------------------
+def _grads_finish_kernel(st, *refs):
+  """One K block: dq, dk, dk̃ from the decayed pair weights Mw = scale dM⊙Γ, Aw = dA⊙Γ as [C, C] × [C, BK]
+  dots, plus this block's share of dβ and (scalar decay) dG."""
+  has_g, sep = st.decay != "none", not st.same_keys
+  (q_ref, k_ref, kw_ref, g_ref, beta_ref, t_ref, dw_ref, mw_ref, aw_ref, dqs_ref, dkws_ref,
+   dq_ref, dk_ref, dkw_ref, dbeta_ref, dg_ref) = _split(refs, 1, 1, 1, int(has_g), *([1] * 9), int(sep), 1,
+                                                        int(has_g))
+  beta = load(beta_ref, ALL)[:, None]
+  G = load(g_ref, ALL) if has_g else None
+  eg = decay_rows(st, G)
+  Mw, Aw = st.lo(mw_ref[...]), aw_ref[...].astype(F32)
+  bAw = st.lo(beta * Aw)
+  Aw = st.lo(Aw)
+  q, k, kw = load(q_ref, ALL), load(k_ref, ALL), load(kw_ref, ALL)
+  dq_p = dot(Mw, st.lo(kw))
+  dq_ref[...] = dqs_ref[...] + dq_p
+  R = dot(Aw, st.lo(kw))
+  dkb = -dot(st.lo(t_ref[...]), dw_ref[...], ta=True)                   # Tᵀ dW (the stored operand is −dW)
+  dk = beta * (R + row_scale(dkb, eg))
+  dbeta_ref[...] = jnp.sum(k * R, axis=1) + jnp.sum(dkb * row_scale(k, eg), axis=1)
+  dkw_p = dot(Mw, st.lo(q), ta=True) + dot(bAw, st.lo(k), ta=True)
+  dkw = dkws_ref[...] + dkw_p
+  if sep:
+    dk_ref[...] = dk
+    dkw_ref[...] = dkw
+  else:
+    dk_ref[...] = dk + dkw
+  if has_g:
+    dg_ref[...] = jnp.sum(q * dq_p + k * dk - kw * dkw_p, axis=1)
+
+
+def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
+  """Decay none / scalar → (dq, dk, dk_write or None) [B, T, HV, K] fp32, dβ's K part [NK, B, HV, T] and
+  (scalar) dG's intra-chunk part [NK, B, HV, T] (partial sums over the K blocks, None without decay)."""
+  bk = st.blocks.k_block("grad", st.key_dim)
+  nk = st.key_dim // bk
+  w = L.chunk_v_grid
+  has_g, sep = st.decay != "none", not st.same_keys
+  ktok = lambda head=None: L.tokens(st, bk, w, head, split=True)
+  in_specs = [ktok(st.key_head), ktok(st.key_head), ktok(st.kw_head)]
+  args = [q, k, kw]
+  if has_g:
+    in_specs.append(L.vector(st, w))
+    args.append(G)
+  in_specs += [L.vector(st, w), L.head_major(st, st.chunk, w), L.head_major(st, bk, w, split=True),
+               L.head_major(st, st.chunk, w), L.head_major(st, st.chunk, w), ktok(), ktok()]
+  args += [beta, T, dws, Mw, Aw, dq_s, dkw_s]
+  b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
+  n_k = 3 if sep else 2
+  out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w)] * (2 if has_g else 1)
+  out_shape = [_f32((b, t, hv, kd)) for _ in range(n_k)] + [_f32((nk, b, hv, t))] * (2 if has_g else 1)
+  kernel = lambda *refs: _grads_finish_kernel(st, *refs)
+  outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
+                     out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_finish,
+                     num_stages=st.stages,
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_finish")(*args)
   dq, dk = outs[:2]
   dkw = outs[2] if sep else None
-  rest = outs[2 + int(sep):]
-  return dq, dk, dkw, rest[0], rest[1], (rest[2] if st.decay == "scalar" else None)
+  return dq, dk, dkw, outs[n_k], (outs[n_k + 1] if has_g else None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -470,28 +481,30 @@ def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG
   kernel = lambda *refs: _grads_pairs_kernel(st, *refs)
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
-                     num_stages=st.stages, name="delta_rule_grads_pairs")(*args)
+                     num_stages=st.stages,
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_pairs")(*args)
   dq, dk = outs[:2]
   dkw = outs[2] if sep else None
   return dq, dk, dkw, outs[n_k], outs[n_k + 1]
 
 
 def backward(st: L.Static, residuals, do, dS_T):
-  """Recomputes W, T, S_in, V_new and returns the cotangents of (q, k, kw, v, beta, G, S0), per value head
-  for q, k, kw (the wrapper sums the head groups)."""
+  """From the inputs (q, k, kw, v, beta, G, S0, info; `info` None unless packed) and the forward's
+  T = (I + A)⁻¹: re-forms W, U from T, reruns the state pass (S_in, V_new) and returns the cotangents of
+  (q, k, kw, v, beta, G, S0), per value head for q, k, kw (the wrapper sums the head groups)."""
   from pallas_kernels.gpu import delta_rule_fwd as fwd
-  q, k, kw, v, beta, G, S0 = residuals
-  W, U, T = fwd.prep(st, k, kw, v, beta, G, emit_t=True, name_suffix="_bwd")
-  V_new, S_in, _ = fwd.state_pass(st, W, U, kw, G, S0)
+  q, k, kw, v, beta, G, S0, info, T = residuals
+  W, U = fwd.prep(st, k, kw, v, beta, G, T=T)
+  V_new, S_in, _ = fwd.state_pass(st, W, U, kw, G, S0, info)
   dvl = dv_local(st, q, kw, G, do)
-  dV_new, dS_out, dS0 = state_bwd(st, W, q, kw, G, do, dvl, dS_T)
+  dV_new, dS_out, dS0 = state_bwd(st, W, q, kw, G, do, dvl, dS_T, info)
   dq_s, dws, dkw_s, dG_s = grads_state(st, q, kw, G, S_in, dS_out, V_new, dV_new, do)
   if st.decay == "scalar":
     dG_s = jnp.sum(dG_s, axis=0)
-  if st.decay != "channel":
-    dq, dk, dkw, dv, dbeta, dG = grads_intra(st, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, dq_s, dkw_s,
-                                             dG_s)
-    return dq, dk, dkw, dv, dbeta, dG, dS0
-  dv, dbeta_v, dM, dA = grads_intra(st, q, k, kw, v, beta, G, T, V_new, dV_new, do, dws, None, None, None)
-  dq, dk, dkw, dbeta_k, dG = grads_pairs(st, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s)
+  dv, dbeta_v, dM, dA = grads_intra(st, k, v, beta, G, T, V_new, dV_new, do, dws)
+  if st.decay == "channel":
+    dq, dk, dkw, dbeta_k, dG = grads_pairs(st, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s)
+  else:
+    dq, dk, dkw, dbeta_k, dG_p = grads_finish(st, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s)
+    dG = None if dG_p is None else dG_s + jnp.sum(dG_p, axis=0)
   return dq, dk, dkw, dv, dbeta_v + jnp.sum(dbeta_k, axis=0), dG, dS0

@@ -2,7 +2,8 @@
 
 1. `prep`   chunk-parallel, grid (B, HV, NC): the decayed Gram A = strictLower(diag(β)(K⊙e^G)(K̃⊙e^−G)ᵀ) as
             s×s blocks, T = (I + A)⁻¹ as block rows [s, C] (`intra.inverse_rows`), W = T diag(β)(K⊙e^G)
-            [C, K] and U = T diag(β) V [C, V] as [s, C] × [C, ·] dots; optionally T itself.
+            [C, K] and U = T diag(β) V [C, V] as [s, C] × [C, ·] dots; under autodiff it also stores T (the
+            backward's residual). With T given (`wu`, in the backward) only the W and U dots run.
 2. `state_pass`  sequential, grid (B, HV, V/BV): a fori_loop over chunks with the fp32 state [K, BV] in
             registers: V_new = U − W S, S ← e^{G_C} ⊙ S + (K̃ ⊙ e^{G_C − G})ᵀ V_new; emits the state
             entering every chunk, V_new and the final state.
@@ -77,13 +78,18 @@ def decay_rows(st, g):
   return None if g is None else jnp.exp(g)
 
 
-def _prep_kernel(st, emit_t, *refs):
+def _prep_kernel(st, mode, *refs):
+  """mode "wu": W, U; "wut": also T; "from_t": W, U from a given T (no Gram, no inverse)."""
   has_g = st.decay != "none"
-  k_ref, kw_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref = _split(
-      refs, 1, 1, 1, 1, int(has_g), 1, 1, int(emit_t))
+  given = mode == "from_t"
+  k_ref, kw_ref, v_ref, beta_ref, g_ref, t_in, w_ref, u_ref, t_ref = _split(
+      refs, 1, int(not given), 1, 1, int(has_g), int(given), 1, 1, int(mode == "wut"))
   s, n = st.sub, st.num_sub
-  T = inverse_rows(gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref), n, s)
-  if emit_t:
+  if given:
+    T = [t_in[block(a, s), :] for a in range(n)]
+  else:
+    T = inverse_rows(gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref), n, s)
+  if t_ref is not None:
     for a in range(n):
       t_ref[block(a, s), :] = T[a]
   beta = load(beta_ref, ALL)[:, None]
@@ -95,39 +101,54 @@ def _prep_kernel(st, emit_t, *refs):
     u_ref[block(a, s), :] = dot(st.lo(T[a]), bv).astype(u_ref.dtype)
 
 
-def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, name_suffix: str = ""):
-  """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T [B, HV, T, C] fp32 when emit_t)."""
+def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None):
+  """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T = (I + A)⁻¹ [B, HV, T, C] fp32 when emit_t). Given
+  T (the forward's, in the backward), only W and U are formed from it."""
   w = L.chunk_grid
-  in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.kw_head),
-              L.tokens(st, st.value_dim, w), L.vector(st, w)]
-  args = [k, kw, v, beta]
+  mode = "from_t" if T is not None else ("wut" if emit_t else "wu")
+  in_specs = [L.tokens(st, st.key_dim, w, st.key_head)]
+  args = [k]
+  if T is None:
+    in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
+    args.append(kw)
+  in_specs += [L.tokens(st, st.value_dim, w), L.vector(st, w)]
+  args += [v, beta]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
+  if T is not None:
+    in_specs.append(L.head_major(st, st.chunk, w))
+    args.append(T)
   hv, t = (st.batch, st.value_heads), st.length
   out_specs = [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
   out_shape = [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm),
                jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
-  if emit_t:
+  if mode == "wut":
     out_specs.append(L.head_major(st, st.chunk, w))
     out_shape.append(jax.ShapeDtypeStruct((*hv, t, st.chunk), F32))
-  kernel = lambda *refs: _prep_kernel(st, emit_t, *refs)
+  kernel = lambda *refs: _prep_kernel(st, mode, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                      num_warps=st.blocks.warps_prep, num_stages=st.stages,
-                     name="delta_rule_prep" + name_suffix)(*args)
+                     fp32_dots=st.blocks.fp32_dots,
+                     name="delta_rule_wu" if mode == "from_t" else "delta_rule_prep")(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 2. The sequential state pass.
 # ---------------------------------------------------------------------------------------------------------
 def _state_kernel(st, *refs):
-  has_g = st.decay != "none"
-  w_ref, u_ref, kw_ref, g_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(refs, 1, 1, 1, int(has_g), 1, 1, 1, 1)
+  has_g, packed = st.decay != "none", st.segments > 0
+  w_ref, u_ref, kw_ref, g_ref, info_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(
+      refs, 1, 1, 1, int(has_g), int(packed), 1, 1, 1, 1)
   c_len, kd = st.chunk, st.key_dim
 
   def body(c, S):
     t0 = pl.multiple_of(c * c_len, c_len)
+    if packed:                                   # a segment's first chunk starts from its initial state
+      seg, first, last = L.decode_chunk_info(info_ref[c])
+      rows = pl.ds(pl.multiple_of(seg * kd, kd), kd)
+      S = jnp.where(first, s0_ref[rows, :].astype(F32), S)
     vn = u_ref[pl.ds(t0, c_len), :].astype(F32) - dot(w_ref[pl.ds(t0, c_len), :], st.lo(S))
     sin_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = S.astype(sin_ref.dtype)
     vn_ref[pl.ds(t0, c_len), :] = vn.astype(vn_ref.dtype)
@@ -136,14 +157,22 @@ def _state_kernel(st, *refs):
       to_end, gamma = decay_to_end(st, chunk_decay_rows(st, g_ref, t0))
       kw = row_scale(kw, to_end)
       S = S * gamma
-    return S + dot(st.lo(kw), st.lo(vn), ta=True)
+    S = S + dot(st.lo(kw), st.lo(vn), ta=True)
+    if packed:
+      @pl.when(last)
+      def _():                                   # a segment's last chunk leaves its final state
+        st_ref[rows, :] = S
+    return S
 
-  S = lax.fori_loop(0, st.num_chunks, body, s0_ref[...].astype(F32))
-  st_ref[...] = S
+  if packed:
+    lax.fori_loop(0, st.num_chunks, body, jnp.zeros((kd, s0_ref.shape[-1]), F32))
+  else:
+    st_ref[...] = lax.fori_loop(0, st.num_chunks, body, s0_ref[...].astype(F32))
 
 
-def state_pass(st: L.Static, W, U, kw, G, S0):
-  """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32)."""
+def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
+  """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32). Packed (`info` the
+  [NC] `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written."""
   bv = st.blocks.v_block("state", st.value_dim)
   w = L.seq_grid
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
@@ -152,6 +181,9 @@ def state_pass(st: L.Static, W, U, kw, G, S0):
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
     args.append(G)
+  if st.segments:
+    in_specs.append(L.chunk_info(st))
+    args.append(info)
   in_specs.append(L.state(st, bv, w))
   args.append(S0)
   out_specs, out_shape = L.state_pass_outputs(st, bv, w)
@@ -159,7 +191,7 @@ def state_pass(st: L.Static, W, U, kw, G, S0):
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                      num_warps=st.blocks.warps_state, num_stages=st.stages,
-                     name="delta_rule_state_fwd")(*args)
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_state_fwd")(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,11 +236,14 @@ def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None):
                      out_shape=jax.ShapeDtypeStruct((st.batch, st.length, st.value_heads, st.value_dim),
                                                     out_dtype),
                      interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
-                     name="delta_rule_output")(*args)
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_output")(*args)
 
 
-def forward(st: L.Static, q, k, kw, v, beta, G, S0):
-  """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32)."""
-  W, U = prep(st, k, kw, v, beta, G)
-  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0)
-  return output(st, q, kw, G, S_in, V_new, q.dtype), S_T
+def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool = False):
+  """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32), and T = (I + A)⁻¹
+  [B, HV, T, C] fp32 when emit_t (the one residual the backward keeps besides the inputs). Packed: `info`
+  and the state layout of `state_pass`."""
+  W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
+  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info)
+  o = output(st, q, kw, G, S_in, V_new, q.dtype)
+  return (o, S_T, T[0]) if emit_t else (o, S_T)

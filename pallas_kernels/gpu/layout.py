@@ -45,6 +45,8 @@ class Static:
   interpret: bool
   low_precision: bool = False   # bf16 operands (fp32 accumulation) for the dots that do not build T,
                                 # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
+  segments: int = 0             # packed: N segments laid out chunk-aligned in one row (batch 1); 0: not
+                                # packed. The state passes then reset at segment starts (`chunk_info`).
 
   @property
   def mm(self):
@@ -152,13 +154,24 @@ def parts(st: Static, where):
 
 
 def state(st: Static, width: int, where):
-  """[B, HV, K, V]: one head's state, one V block."""
+  """[B, HV, K, V]: one head's state, one V block. Packed: [1, HV, N·K, V], every segment's state (segment n
+  at rows n·K …)."""
 
   def index(*g):
     b, h, _, iv = where(*g)
     return b, h, 0, _col(iv, True)
 
-  return pl.BlockSpec((_SQ, _SQ, st.key_dim, width), index)
+  return pl.BlockSpec((_SQ, _SQ, max(st.segments, 1) * st.key_dim, width), index)
+
+
+def chunk_info(st: Static):
+  """[NC] int32 per chunk (packed only): segment << 2 | (last chunk of it) << 1 | (first chunk of it)."""
+  return pl.BlockSpec((st.num_chunks,), lambda *g: (0,))
+
+
+def decode_chunk_info(code):
+  """(segment, first, last) of one `chunk_info` entry (in-kernel scalars)."""
+  return code >> 2, (code & 1) == 1, (code & 2) == 2
 
 
 def decay_spec(st: Static, where, whole=False, width=None):
@@ -186,10 +199,10 @@ def seq_grid(b, h, iv):
 
 def state_pass_outputs(st: Static, bv: int, w):
   """(out_specs, out_shape) of both sequential state passes: a per-token [B, HV, T, V] array and the per-chunk
-  states [B, HV, NC·K, V] in st.mm, and one [B, HV, K, V] fp32 state."""
+  states [B, HV, NC·K, V] in st.mm, and the fp32 state(s) of `state` ([B, HV, K, V]; packed [1, HV, N·K, V])."""
   hv = (st.batch, st.value_heads)
   specs = [head_major(st, bv, w, whole=True, split=True), states(st, bv, w, whole=True), state(st, bv, w)]
   shapes = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
             jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
-            jax.ShapeDtypeStruct((*hv, st.key_dim, st.value_dim), jnp.float32)]
+            jax.ShapeDtypeStruct((*hv, max(st.segments, 1) * st.key_dim, st.value_dim), jnp.float32)]
   return specs, shapes

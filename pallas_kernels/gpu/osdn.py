@@ -22,6 +22,11 @@ cotangent to start), m_t the clip's derivative at d̄_{t+1} (1 inside, 0 outside
 The forward saves d_t (its output ds), so s_t and d̄_{t+1} are recomputed per token off the dependency chain;
 the chain itself is one K-reduction per token.
 
+Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first
+token and d_{T+1} of the segment is stored at its last; in reverse, λ restarts from the segment's d_{T+1}
+cotangent at a last token and ∂d1[segment] is stored at a first. Segments never span rows, so the (batch, head)
+programs write disjoint rows of the per-segment arrays.
+
 `d_pass` is the entry point (padding K to a power of two ≥ 16, one `jax.custom_vjp` around the two kernels);
 the guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout. Registered with
 `pallas_kernels.lookup` as "osdn_d_pass" (see `supports`).
@@ -88,6 +93,7 @@ class Static:
   mode: str                # "none" (r ≡ 1) | "zero" | "init"
   blocks: DPassBlocks
   interpret: bool
+  segments: int = 0        # packed: N (per-token codes reset d; d1 and d_{T+1} are per segment); 0: not
 
   @property
   def num_full(self) -> int:
@@ -115,8 +121,22 @@ def _scalars(st):  # [B, T, G] → [T]
   return pl.BlockSpec((_SQ, st.length, _SQ), lambda b, g: (b, 0, g))
 
 
-def _head_vec(st):  # [B, G, K] → [K]
+def _head_vec(st):  # [B, G, K] → [K]; packed: [N, G, K] → [N, K] (every segment's row, read by index)
+  if st.segments:
+    return pl.BlockSpec((st.segments, _SQ, st.key_dim), lambda b, g: (0, g, 0))
   return pl.BlockSpec((_SQ, _SQ, st.key_dim), lambda b, g: (b, g, 0))
+
+
+def _batch_vec(st):  # [B, G, K] → [K], also when packed
+  return pl.BlockSpec((_SQ, _SQ, st.key_dim), lambda b, g: (b, g, 0))
+
+
+def _codes(st):    # [B, T] int32 → [T]: segment << 2 | last token of it << 1 | first token of it
+  return pl.BlockSpec((_SQ, st.length), lambda b, g: (b, 0))
+
+
+def _decode(code):
+  return code >> 2, (code & 1) == 1, (code & 2) == 2
 
 
 def _param_vec(st):  # [G, K] → [K]
@@ -197,28 +217,43 @@ def _clip_grad(st, x):
 # Forward: ds [B, T, G, K] (the d each token writes with), d_{T+1} [B, G, K].
 # ---------------------------------------------------------------------------------------------------------
 def _fwd_kernel(st, *refs):
-  u_ref, b_ref, n_ref, r_ref, d1_ref, o_ref, ds_ref, dl_ref = _split(
-      refs, True, True, True, st.has_r, True, st.has_o, True, True)
+  packed = st.segments > 0
+  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, ds_ref, dl_ref = _split(
+      refs, True, True, True, st.has_r, packed, True, st.has_o, True, True)
   o = o_ref[...] if st.has_o else None
 
   def token(t, d):
+    if packed:                            # a segment's first token starts from its own d1
+      seg, first, last = _decode(c_ref[t])
+      d = jnp.where(first, d1_ref[seg, :], d)
     r = r_ref[t] if st.has_r else None
     d_bar, _, _ = _pre_clip(st, d, u_ref[t, :], b_ref[t], n_ref[t], r, o)
     ds_ref[t, :] = d
-    return _clip(st, d_bar)
+    d_next = _clip(st, d_bar)
+    if packed:
+      @pl.when(last)
+      def _():                            # a segment's last token leaves its d_{T+1}
+        dl_ref[seg, :] = d_next
+    return d_next
 
-  dl_ref[...] = _sequential(st, token, d1_ref[...].astype(F32), reverse=False)
+  if packed:
+    _sequential(st, token, jnp.zeros((st.key_dim,), F32), reverse=False)
+  else:
+    dl_ref[...] = _sequential(st, token, d1_ref[...].astype(F32), reverse=False)
 
 
-def _forward(st, u, n, beta, r, d1, o):
-  args = [u, beta, n] + ([r] if st.has_r else []) + [d1] + ([o] if st.has_o else [])
+def _forward(st, u, n, beta, r, codes, d1, o):
+  packed = st.segments > 0
+  args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
+      ([o] if st.has_o else [])
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
-      [_head_vec(st)] + ([_param_vec(st)] if st.has_o else [])
+      ([_codes(st)] if packed else []) + [_head_vec(st)] + ([_param_vec(st)] if st.has_o else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   return pallas_call(
       functools.partial(_fwd_kernel, st), grid=(b, g), in_specs=in_specs,
       out_specs=[_rows(st), _head_vec(st)],
-      out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32), jax.ShapeDtypeStruct((b, g, k), F32)],
+      out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
+                 jax.ShapeDtypeStruct((st.segments or b, g, k), F32)],
       interpret=st.interpret, num_warps=st.blocks.warps(k), num_stages=st.blocks.num_stages,
       name="osdn_d_pass_fwd")(*args)
 
@@ -227,14 +262,18 @@ def _forward(st, u, n, beta, r, d1, o):
 # Backward: the adjoint pass in reverse token order.
 # ---------------------------------------------------------------------------------------------------------
 def _bwd_kernel(st, *refs):
-  (u_ref, b_ref, n_ref, r_ref, o_ref, ds_ref, gds_ref, gl_ref,
+  packed = st.segments > 0
+  (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref,
    du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref) = _split(
-       refs, True, True, True, st.has_r, st.has_o, True, True, True,
+       refs, True, True, True, st.has_r, packed, st.has_o, True, True, True,
        True, True, True, st.has_r, True, st.has_o)
   o = o_ref[...] if st.has_o else None
 
   def token(t, carry):
     lam, acc_o = carry
+    if packed:                            # d_{t+1} of a segment's last token is that segment's d_{T+1}
+      seg, first, last = _decode(c_ref[t])
+      lam = jnp.where(last, gl_ref[seg, :], lam)
     u, d, b, n = u_ref[t, :], ds_ref[t, :], b_ref[t], n_ref[t]
     r = r_ref[t] if st.has_r else None
     d_bar, coef, s = _pre_clip(st, d, u, b, n, r, o)
@@ -252,24 +291,35 @@ def _bwd_kernel(st, *refs):
       lam_prev = mu - (c * p) * u
     if st.has_o:
       acc_o = acc_o + (1.0 - r) * mu
-    return lam_prev + gds_ref[t, :], acc_o
+    lam_prev = lam_prev + gds_ref[t, :]
+    if packed:
+      @pl.when(first)
+      def _():                            # d of a segment's first token is its d1
+        dd1_ref[seg, :] = lam_prev
+    return lam_prev, acc_o
 
-  lam0 = gl_ref[...].astype(F32)
+  lam0 = jnp.zeros((st.key_dim,), F32) if packed else gl_ref[...].astype(F32)
   lam, acc_o = _sequential(st, token, (lam0, jnp.zeros_like(lam0)), reverse=True)
-  dd1_ref[...] = lam
+  if not packed:
+    dd1_ref[...] = lam
   if st.has_o:
     do_ref[...] = acc_o
 
 
-def _backward(st, u, n, beta, r, o, ds, g_ds, g_last):
-  args = [u, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + [ds, g_ds, g_last]
+def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
+  packed = st.segments > 0
+  args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
+      ([o] if st.has_o else []) + [ds, g_ds, g_last]
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
-      ([_param_vec(st)] if st.has_o else []) + [_rows(st), _rows(st), _head_vec(st)]
+      ([_codes(st)] if packed else []) + ([_param_vec(st)] if st.has_o else []) + \
+      [_rows(st), _rows(st), _head_vec(st)]
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
-  rows, scal, vec = (jax.ShapeDtypeStruct(s, F32) for s in ((b, t, g, k), (b, t, g), (b, g, k)))
+  rows, scal, vec = (jax.ShapeDtypeStruct(s, F32) for s in ((b, t, g, k), (b, t, g), (st.segments or b, g, k)))
+  # dO per (batch, head) program: [B, G, K] even when packed (summed over B by the caller).
   out_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
-      [_head_vec(st)] + ([_head_vec(st)] if st.has_o else [])
-  out_shape = [rows, scal, scal] + ([scal] if st.has_r else []) + [vec] + ([vec] if st.has_o else [])
+      [_head_vec(st)] + ([_batch_vec(st)] if st.has_o else [])
+  out_shape = [rows, scal, scal] + ([scal] if st.has_r else []) + [vec] + \
+      ([jax.ShapeDtypeStruct((b, g, k), F32)] if st.has_o else [])
   outs = pallas_call(
       functools.partial(_bwd_kernel, st), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps(k),
@@ -289,19 +339,20 @@ def _split_outs(st, outs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _d_pass(st: Static, u, n, beta, r, d1, o):
-  return tuple(_forward(st, u, n, beta, r, d1, o))
+def _d_pass(st: Static, u, n, beta, r, codes, d1, o):
+  return tuple(_forward(st, u, n, beta, r, codes, d1, o))
 
 
-def _d_pass_fwd(st, u, n, beta, r, d1, o):
-  ds, d_last = _forward(st, u, n, beta, r, d1, o)
-  return (ds, d_last), (u, n, beta, r, o, ds)
+def _d_pass_fwd(st, u, n, beta, r, codes, d1, o):
+  ds, d_last = _forward(st, u, n, beta, r, codes, d1, o)
+  return (ds, d_last), (u, n, beta, r, codes, o, ds)
 
 
 def _d_pass_bwd(st, res, cts):
-  u, n, beta, r, o, ds = res
+  u, n, beta, r, codes, o, ds = res
   g_ds, g_last = cts
-  return _backward(st, u, n, beta, r, o, ds, g_ds, g_last)
+  du, dn, dbeta, dr, dd1, do = _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last)
+  return du, dn, dbeta, dr, None, dd1, do
 
 
 _d_pass.defvjp(_d_pass_fwd, _d_pass_bwd)
@@ -314,17 +365,35 @@ def _pad_last(x, size):
   return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def _segment_codes(segment_ids, count: int):
+  """[B, T] int32 codes (segment << 2 | last token << 1 | first token; segments past `count` clamped) and
+  present [count] bool (the segment has tokens)."""
+  ids = jnp.asarray(segment_ids)
+  first = jnp.concatenate([jnp.ones(ids.shape[:1] + (1,), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  last = jnp.concatenate([first[:, 1:], jnp.ones(ids.shape[:1] + (1,), bool)], axis=1)
+  seg = jnp.minimum((jnp.cumsum(first.reshape(-1).astype(jnp.int32)) - 1).reshape(ids.shape), count - 1)
+  present = jnp.zeros((count,), bool).at[seg].set(True)
+  return (seg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32), present
+
+
 @functools.partial(jax.jit, static_argnames=("eta", "d_min", "d_max", "mode", "blocks", "interpret"))
-def _run(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, mode, blocks, interpret):
+def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, blocks, interpret):
   b, t, g, kd = u.shape
   kp = padded_dim(kd)
+  count = d1.shape[0] if segment_ids is not None else 0
   st = Static(batch=b, length=t, heads=g, key_dim=kp, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
-              blocks=blocks, interpret=interpret)
+              blocks=blocks, interpret=interpret, segments=count)
   f32 = lambda x: None if x is None else jnp.asarray(x, F32)
   # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.
   u, d1 = _pad_last(f32(u), kp), _pad_last(f32(d1), kp)
   o = _pad_last(jnp.broadcast_to(f32(d_init), (g, kd)), kp) if mode == "init" else None
-  ds, d_last = _d_pass(st, u, f32(n), f32(beta), f32(r) if mode != "none" else None, d1, o)
+  codes, present = None, None
+  if count:      # rows of segments without tokens are neither read nor written by the kernels: zeros
+    codes, present = _segment_codes(segment_ids, count)
+    d1 = jnp.where(present[:, None, None], d1, 0.0)
+  ds, d_last = _d_pass(st, u, f32(n), f32(beta), f32(r) if mode != "none" else None, codes, d1, o)
+  if count:
+    d_last = jnp.where(present[:, None, None], d_last, 0.0)
   return ds[..., :kd], d_last[..., :kd]
 
 
@@ -337,7 +406,7 @@ def _static_bound(name, x):
     raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be a static number, got {x!r}") from e
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
            blocks: DPassBlocks | None = None, interpret: bool | None = None):
   """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
 
@@ -346,7 +415,9 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
     [B, T, G], d1 [B, G, K] (the d of token 1), d_init [G, K] (or broadcastable; used by anchor "init" with
     a retention); eta, d_min, d_max static numbers (bounds None: unbounded); anchor "zero" | "init".
   Returns (ds [B, T, G, K], d_{T+1} [B, G, K]), fp32. Differentiable w.r.t. u, n, beta, retention, d1 and
-  d_init (zero gradient through clipped entries). `interpret` defaults to True on a CPU backend; `blocks`
+  d_init (zero gradient through clipped entries). Packed (`segment_ids` [B, T], as the packed `_osdn_serial`):
+  d1 is [N, G, K], d restarts from d1[n] at segment n's first token, and the second result is each segment's
+  last d [N, G, K] (zeros for segments without tokens). `interpret` defaults to True on a CPU backend; `blocks`
   to DEFAULT_BLOCKS compiled and INTERPRET_BLOCKS in interpret mode.
   """
   if u.ndim != 4:
@@ -359,8 +430,15 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
   for name, x in (("n", n), ("beta", beta), ("retention", retention)):
     if x is not None and x.shape != (b, t, g):
       raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be [B, T, G] = {(b, t, g)}, got {x.shape}")
-  if d1.shape != (b, g, kd):
+  if segment_ids is None and d1.shape != (b, g, kd):
     raise ValueError(f"osdn d_pass (pallas gpu): `d1` must be [B, G, K] = {(b, g, kd)}, got {d1.shape}")
+  if segment_ids is not None:
+    if segment_ids.shape != (b, t):
+      raise ValueError(f"osdn d_pass (pallas gpu): `segment_ids` must be [B, T] = {(b, t)}, got "
+                       f"{segment_ids.shape}")
+    if d1.ndim != 3 or d1.shape[1:] != (g, kd) or d1.shape[0] < 1:
+      raise ValueError(f"osdn d_pass (pallas gpu): packed, `d1` must be [N, G, K] with G, K = {(g, kd)}, got "
+                       f"{d1.shape}")
   if anchor not in ("zero", "init"):
     raise ValueError(f"osdn d_pass (pallas gpu): `anchor` must be 'zero' or 'init', got {anchor!r}")
   eta = _static_bound("eta", eta)
@@ -370,15 +448,14 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
   if blocks is None:
     blocks = INTERPRET_BLOCKS if interpret else DEFAULT_BLOCKS
   mode = "none" if retention is None else anchor
-  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), eta=eta, d_min=d_min, d_max=d_max, mode=mode,
-              blocks=blocks, interpret=bool(interpret))
+  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, eta=eta, d_min=d_min, d_max=d_max,
+              mode=mode, blocks=blocks, interpret=bool(interpret))
 
 
 def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; fp32 (the d-pass's compute dtype for fp32 and bf16 keys),
-  K ≤ 256 (spec: anything with a `key_dim`, or None), unpacked sequences only; chunk_size is ignored."""
+  K ≤ 256 (spec: anything with a `key_dim`, or None), packed or not; chunk_size is ignored."""
   key_dim = getattr(spec, "key_dim", None)
   return (platform in ("gpu", "cpu")
           and jnp.dtype(dtype) == jnp.dtype(F32)
-          and (key_dim is None or 1 <= key_dim <= MAX_KEY_DIM)
-          and not getattr(spec, "packed", False))
+          and (key_dim is None or 1 <= key_dim <= MAX_KEY_DIM))

@@ -1,0 +1,50 @@
+"""Packed sequences for the GPU kernels: every segment moved to start on a chunk boundary of one row.
+
+With `segment_ids` [B, T] (the convention of `osdn_jax.ops.packing`: a segment is a maximal run of equal ids
+in a row, numbered n = 0..N-1 in row-major order), segment n's tokens go to positions base_n + 0, 1, … of a
+single row of static length L = ⌈(B·T + N·(C − 1)) / C⌉·C, where base_n is a multiple of the chunk C and the
+gaps are zero tokens (β = 0, g = 0: they leave the state unchanged). No chunk then holds two segments, so
+every chunk-parallel kernel runs unchanged; only the two state passes reset, reading one int32 per chunk
+(`chunk_info`: segment << 2 | last chunk of it << 1 | first chunk of it). N must be static.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def row_length(tokens: int, num_segments: int, chunk: int) -> int:
+  """L, the static length of the chunk-aligned row for `tokens` = B·T tokens in at most N segments."""
+  return -(-(tokens + num_segments * (chunk - 1)) // chunk) * chunk
+
+
+def chunk_aligned(segment_ids, num_segments: int, chunk: int):
+  """→ (pos [B·T] int32 positions in the row, info [L / C] int32, present [N] bool: segment n has tokens)."""
+  b, t = segment_ids.shape
+  n = num_segments
+  ids = jnp.asarray(segment_ids)
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1).reshape(-1)
+  seg = jnp.minimum(jnp.cumsum(starts.astype(jnp.int32)) - 1, n - 1)      # more than N segments: clamped
+  lens = jnp.zeros((n,), jnp.int32).at[seg].add(1)
+  chunks = (lens + chunk - 1) // chunk
+  end = jnp.cumsum(chunks)                                                  # past each segment's last chunk
+  first_tok = jnp.cumsum(lens) - lens
+  pos = (end - chunks)[seg] * chunk + jnp.arange(b * t, dtype=jnp.int32) - first_tok[seg]
+  c = jnp.arange(row_length(b * t, n, chunk) // chunk, dtype=jnp.int32)
+  cseg = jnp.minimum(jnp.searchsorted(end, c, side="right").astype(jnp.int32), n - 1)
+  has = chunks[cseg] > 0
+  first = has & (c == end[cseg] - chunks[cseg])
+  last = has & (c == end[cseg] - 1)
+  info = (cseg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32)
+  return pos, info, lens > 0
+
+
+def to_row(x, pos, length: int):
+  """[B, T, ...] → [1, L, ...]: token i of the flattened batch at pos[i], zeros elsewhere."""
+  flat = x.reshape((-1,) + x.shape[2:])
+  row = jnp.zeros((length,) + x.shape[2:], x.dtype).at[pos].set(flat, mode="drop")
+  return row[None]
+
+
+def from_row(y, pos, b: int, t: int):
+  """[1, L, ...] → [B, T, ...], the inverse gather of `to_row`."""
+  return y[0].at[pos].get(mode="fill", fill_value=0).reshape((b, t) + y.shape[2:])
