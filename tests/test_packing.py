@@ -215,6 +215,8 @@ def test_pallas_packed_equals_each_segment_alone(decay):
                      initial_state=False)
   p.initial_state = np.random.default_rng(12).normal(size=(N, HV, K, V)) / np.sqrt(K)
   compare(p, "online", "pallas", 16)
+  if decay == "scalar":       # the offline solve goes through the same kernels (zero erase key)
+    compare(_problem(15, decay, "offline", True), "offline", "pallas", 16)
   fn = _packed("online", "pallas", 16)
   check_no_gradient_crosses(fn, p.arrays(jnp.float32), int(LAYOUT.n[0, 65]))
   check_no_gradient_crosses(fn, p.arrays(jnp.float32), int(LAYOUT.n[1, 1]), nonzero=False)

@@ -223,3 +223,25 @@ def test_packed_lowers_to_triton(triton_lowering, capsys):
   assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == _expected_kernels("scalar")
   assert ir.count("scf.if") >= 2                 # the guarded final-state / dS0 stores
   assert all(verified), verified
+
+
+def _offline(impl, **kw):
+  def fn(q, k, v, beta, k_write, log_decay, initial_state):
+    del k_write
+    return impl.linear_attention(q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state, **kw)
+  return fn
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_linear_attention_fp32(decay):
+  """The offline solve through the delta-rule kernels (zero erase key): against the fp64 offline oracle and
+  the XLA path, odd T, GVA, an initial state, β given; and β = None (1) through the public API."""
+  p = random_problem(21, B=1, T=45, H=2, HV=4, K=16, V=32, decay=decay)
+  arrays = p.arrays(jnp.float32)
+  got = vjp_all(_offline(gpu, chunk_size=16), arrays)
+  want = vjp_all(_offline(naive), p.arrays(jnp.float64, jnp.float64, jnp.float64))
+  assert_trees_close(got, {n: w for n, w in want.items() if n in got}, jnp.float32)
+  assert_trees_close(got, vjp_all(_offline(chunked, chunk_size=16), arrays), jnp.float32)
+  run = lambda impl: ops.linear_attention(arrays["q"], arrays["k"], arrays["v"], log_decay=arrays["log_decay"],
+                                          output_final_state=True, chunk_size=16, implementation=impl)
+  assert_trees_close(dict(zip("oS", run("pallas"))), dict(zip("oS", run("xla"))), jnp.float32)

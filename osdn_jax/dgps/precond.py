@@ -9,7 +9,8 @@ Shapes: keys and queries [B, T, H, K]; a per-token gate [B, T, G] where G is the
 the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 
 * PDN (Preconditioned DeltaNet): A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t k_t²; z = log(A_t + ε) − c;
-  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan`.
+  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan` (on a GPU, the
+  chunked Pallas kernel `pallas_kernels.gpu.decayed_sum`).
 * ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates).
 * OSDN (Online Scaled DeltaNet): d learned online by hypergradient descent on the surrogate
   h_t(d) = ((1 − β⟨d, k²⟩)² − 1) / (2‖k‖²); token t writes with guard(d_t ⊙ k_t), then
@@ -58,12 +59,29 @@ def num_segments(segment_ids, initial_state):
     return None
 
 
-def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None):
+def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
   k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K] ([N, H, K] with segment_ids).
+  implementation: "scan" (`lax.associative_scan`), "pallas" (the chunked Pallas kernel "decayed_sum";
+  interpret mode on CPU; unpacked, fp32/bf16) or "auto" (pallas on a GPU backend when it supports the call,
+  else scan).
   Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
+  if implementation not in ("auto", "scan", "pallas"):
+    raise ValueError(f"second_moment: `implementation` must be 'auto', 'scan' or 'pallas', got "
+                     f"{implementation!r}")
+  kernel = None
+  if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
+    import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
+    spec = types.SimpleNamespace(key_dim=k.shape[-1], packed=segment_ids is not None)
+    kernel = pallas_kernels.lookup("decayed_sum", spec, jnp.result_type(k), 0, jax.default_backend())
+    if kernel is None and implementation == "pallas":
+      raise ValueError(f"second_moment: no Pallas kernel for dtype {jnp.result_type(k)}, "
+                       f"{'packed' if segment_ids is not None else 'unpacked'} sequences on "
+                       f"{jax.default_backend()}; use implementation='scan'")
+  if kernel is not None:
+    return kernel(k, log_decay_p, beta=beta_p, initial_state=initial_state)
   ct = _ct(k, beta_p, log_decay_p)
   k = jnp.asarray(k, ct)
   a = jnp.exp(jnp.asarray(log_decay_p, ct))[..., None]
@@ -81,15 +99,21 @@ def pdn_scale(A, center, *, x=1.5, eps=1e-6):
   return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
 
-def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None):
-  """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K])."""
-  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
+def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None,
+                  implementation="auto"):
+  """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t (`implementation` as
+  `second_moment`). Returns (k̃ [B,T,H,K], A_T [B,H,K])."""
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
+                         implementation=implementation)
   return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
 
 
-def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None):
-  """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K])."""
-  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
+def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None,
+              implementation="auto"):
+  """The apply-to-query transform q̃_t = q_t / (A_t + λ) (`implementation` as `second_moment`). Returns
+  (q̃ [B,T,H,K], A_T [B,H,K])."""
+  A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
+                         implementation=implementation)
   return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T
 
 

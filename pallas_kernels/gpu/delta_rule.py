@@ -175,3 +175,17 @@ def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
           and 1 <= spec.key_dim <= MAX_DIM and 1 <= spec.value_dim <= MAX_DIM
           and spec.decay in ("none", "scalar", "channel")
           and (not getattr(spec, "packed", False) or spec.num_segments is not None))
+
+
+def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
+                     segment_ids=None, num_segments=None, blocks: BlockSizes = DEFAULT_BLOCKS,
+                     interpret: bool | None = None, bf16_matmuls: bool = True):
+  """The offline solve S_t = D_t S_{t-1} + β_t k_t v_tᵀ with these kernels: it is the online solve with a zero
+  erase key and k as the write key (A = 0, T = I, W = 0, V_new = βV), so `delta_rule(q, 0, v, β,
+  k_write=k)` computes it exactly; the kernels' work on the zero Gram is spent for nothing (no kernel of its
+  own yet). Signature and results of `osdn_jax.ops.chunked.linear_attention` (β default 1)."""
+  if beta is None:
+    beta = jnp.ones(v.shape[:3], jnp.float32)
+  return delta_rule(q, jnp.zeros_like(q), v, beta, k_write=k, log_decay=log_decay, initial_state=initial_state,
+                    scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, num_segments=num_segments,
+                    blocks=blocks, interpret=interpret, bf16_matmuls=bf16_matmuls)

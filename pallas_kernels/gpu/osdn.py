@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from osdn_jax.ops import packing
 from pallas_kernels.gpu.config import padded_dim, pallas_call
 
 F32 = jnp.float32
@@ -368,10 +369,9 @@ def _pad_last(x, size):
 def _segment_codes(segment_ids, count: int):
   """[B, T] int32 codes (segment << 2 | last token << 1 | first token; segments past `count` clamped) and
   present [count] bool (the segment has tokens)."""
-  ids = jnp.asarray(segment_ids)
-  first = jnp.concatenate([jnp.ones(ids.shape[:1] + (1,), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-  last = jnp.concatenate([first[:, 1:], jnp.ones(ids.shape[:1] + (1,), bool)], axis=1)
-  seg = jnp.minimum((jnp.cumsum(first.reshape(-1).astype(jnp.int32)) - 1).reshape(ids.shape), count - 1)
+  first = packing.segment_starts(segment_ids)
+  last = jnp.concatenate([first[:, 1:], jnp.ones(first.shape[:1] + (1,), bool)], axis=1)
+  seg = jnp.minimum(packing.segment_index(segment_ids), count - 1)
   present = jnp.zeros((count,), bool).at[seg].set(True)
   return (seg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32), present
 

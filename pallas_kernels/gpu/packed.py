@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from osdn_jax.ops import packing
+
 
 def row_length(tokens: int, num_segments: int, chunk: int) -> int:
   """L, the static length of the chunk-aligned row for `tokens` = B·T tokens in at most N segments."""
@@ -21,9 +23,7 @@ def chunk_aligned(segment_ids, num_segments: int, chunk: int):
   """→ (pos [B·T] int32 positions in the row, info [L / C] int32, present [N] bool: segment n has tokens)."""
   b, t = segment_ids.shape
   n = num_segments
-  ids = jnp.asarray(segment_ids)
-  starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1).reshape(-1)
-  seg = jnp.minimum(jnp.cumsum(starts.astype(jnp.int32)) - 1, n - 1)      # more than N segments: clamped
+  seg = jnp.minimum(packing.segment_index(segment_ids).reshape(-1), n - 1)   # more than N segments: clamped
   lens = jnp.zeros((n,), jnp.int32).at[seg].add(1)
   chunks = (lens + chunk - 1) // chunk
   end = jnp.cumsum(chunks)                                                  # past each segment's last chunk
