@@ -151,18 +151,22 @@ def test_chaining():
   assert rel_rms(jnp.concatenate([ds1, ds2], 1), ds) < TOL and rel_rms(end, d_last) < TOL
 
 
+def _write_key_inputs(seed, *, B, T, H, G, K, states):
+  """Unit keys [B, T, H, K], gains and APF retentions [B, T, G], initial d [states, G, K] (fp32)."""
+  rng = np.random.default_rng(seed)
+  f = lambda x: jnp.asarray(x, F32)
+  k = f(_unit(rng.normal(size=(B, T, H, K))))
+  beta = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)))))
+  r = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)) - 3)))
+  return k, beta, r, f(0.5 + rng.random(size=(states, G, K)))
+
+
 @pytest.mark.parametrize("anchor", ["zero", "init"])
 def test_osdn_write_key_end_to_end(anchor):
   """osdn_write_key(method="pallas") against method="sequential": odd T, K = 20 (padded to 32), GVA gains
   (G = 2H), APF retention, an initial state, the guard, the default clip [0, 8] with an aggressive η; values and
   gradients w.r.t. k, β, r and the initial state."""
-  rng = np.random.default_rng(7)
-  B, T, H, G, K = 2, 69, 2, 4, 20
-  f = lambda x: jnp.asarray(x, F32)
-  k = f(_unit(rng.normal(size=(B, T, H, K))))
-  beta = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)))))
-  r = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)) - 3)))
-  d0 = f(0.5 + rng.random(size=(B, G, K)))
+  k, beta, r, d0 = _write_key_inputs(7, B=2, T=69, H=2, G=4, K=20, states=2)
 
   def run(method):
     return lambda k, beta, r, d0: precond.osdn_write_key(k, beta, retention=r, eta=6.0, d_init=1.5,
@@ -178,15 +182,8 @@ def test_osdn_write_key_packed(anchor, traced):
   segment ending at T, per-segment initial d; values (k̃ and every segment's last d) and gradients w.r.t. k,
   β, r and the initial states; under jit with traced ids and spare segments (N > segments present: zero last
   d, zero gradient), as the scan."""
-  rng = np.random.default_rng(9)
-  B, T, H, G, K = 2, 37, 1, 2, 16
   ids = np.stack([np.repeat(np.arange(4), [1, 20, 1, 15]), np.repeat(np.arange(2), [30, 7])]).astype(np.int32)
-  n = 6 + (2 if traced else 0)
-  f = lambda x: jnp.asarray(x, F32)
-  k = f(_unit(rng.normal(size=(B, T, H, K))))
-  beta = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)))))
-  r = f(1 / (1 + np.exp(-rng.normal(size=(B, T, G)) - 3)))
-  d0 = f(0.5 + rng.random(size=(n, G, K)))
+  k, beta, r, d0 = _write_key_inputs(9, B=2, T=37, H=1, G=2, K=16, states=6 + (2 if traced else 0))
 
   def run(method):
     def fn(k, beta, r, d0):

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gpu import layout as L
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, row_scale
 from pallas_kernels.gpu.config import pallas_call
-from pallas_kernels.gpu.delta_rule_fwd import _split, chunk_decay_rows, decay_rows, decay_to_end
+from pallas_kernels.gpu.delta_rule_fwd import (_split, chunk_decay_rows, decay_rows, decay_to_end,
+                                               launch_state_pass)
 from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, load
 
 
@@ -152,17 +153,7 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
     args.append(G)
   in_specs += [L.tokens(st, bv, w, whole=True, split=True), L.head_major(st, bv, w, whole=True, split=True)]
   args += [do, dvl]
-  if st.segments:
-    in_specs.append(L.chunk_info(st))
-    args.append(info)
-  in_specs.append(L.state(st, bv, w))
-  args.append(dS_T)
-  out_specs, out_shape = L.state_pass_outputs(st, bv, w)
-  kernel = lambda *refs: _state_bwd_kernel(st, *refs)
-  return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
-                     out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_state, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_state_bwd")(*args)
+  return launch_state_pass(st, _state_bwd_kernel, in_specs, args, info, dS_T, "delta_rule_state_bwd")
 
 
 # ---------------------------------------------------------------------------------------------------------

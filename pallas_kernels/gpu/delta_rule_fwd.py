@@ -181,17 +181,21 @@ def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
     args.append(G)
+  return launch_state_pass(st, _state_kernel, in_specs, args, info, S0, "delta_rule_state_fwd")
+
+
+def launch_state_pass(st, body, in_specs, args, info, state, name):
+  """Runs a sequential state pass (forward or reverse): grid (B, HV, V/BV); the inputs given, then the packed
+  chunk info (when st.segments) and the state (S0 or dS_T); outputs `layout.state_pass_outputs`."""
+  bv = st.blocks.v_block("state", st.value_dim)
+  w = L.seq_grid
   if st.segments:
-    in_specs.append(L.chunk_info(st))
-    args.append(info)
-  in_specs.append(L.state(st, bv, w))
-  args.append(S0)
+    in_specs, args = in_specs + [L.chunk_info(st)], args + [info]
   out_specs, out_shape = L.state_pass_outputs(st, bv, w)
-  kernel = lambda *refs: _state_kernel(st, *refs)
-  return pallas_call(kernel, grid=(st.batch, st.value_heads, st.value_dim // bv), in_specs=in_specs,
-                     out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_state, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_state_fwd")(*args)
+  return pallas_call(lambda *refs: body(st, *refs), grid=(st.batch, st.value_heads, st.value_dim // bv),
+                     in_specs=in_specs + [L.state(st, bv, w)], out_specs=out_specs, out_shape=out_shape,
+                     interpret=st.interpret, num_warps=st.blocks.warps_state, num_stages=st.stages,
+                     fp32_dots=st.blocks.fp32_dots, name=name)(*args, state)
 
 
 # ---------------------------------------------------------------------------------------------------------
