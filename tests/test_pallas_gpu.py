@@ -147,6 +147,26 @@ def test_dispatch():
   assert rel_rms(o, o2) < 1e-5 and rel_rms(s, s2) < 1e-5
 
 
+def test_bad_input_errors():
+  """The kernels' own entry points name the argument and what it should be, before any kernel is traced."""
+  q, v, beta = np.zeros((1, 8, 1, 16), np.float32), np.zeros((1, 8, 1, 16), np.float32), np.zeros((1, 8, 1))
+  ids = np.zeros((1, 8), np.int32)
+  with pytest.raises(ValueError, match=r"`segment_ids` must be an integer array \[B, T\] = \(1, 8\)"):
+    gpu.delta_rule(q, q, v, beta, segment_ids=ids[:, :7], num_segments=1)
+  with pytest.raises(ValueError, match="`segment_ids` must be an integer array"):
+    gpu.delta_rule(q, q, v, beta, segment_ids=ids.astype(np.float32), num_segments=1)
+  with pytest.raises(ValueError, match="`num_segments`"):
+    gpu.delta_rule(q, q, v, beta, segment_ids=ids)
+  with pytest.raises(ValueError, match="dtype float16"):
+    gpu.delta_rule(q.astype(np.float16), q, v, beta)
+  with pytest.raises(ValueError, match="K and V must be ≤ 256"):
+    gpu.delta_rule(np.zeros((1, 8, 1, 512), np.float32), np.zeros((1, 8, 1, 512), np.float32), v, beta)
+  with pytest.raises(ValueError, match="chunk_size=24"):
+    gpu.delta_rule(q, q, v, beta, chunk_size=24)
+  with pytest.raises(ValueError, match="fp32_dots"):
+    BlockSizes(fp32_dots="tf32")
+
+
 def test_poison_catches_unwritten_blocks():
   """An output kernel that skips the last chunk leaves NaN there, which the comparator rejects."""
   p = random_problem(13, B=1, T=32, H=1, HV=1, K=16, V=16, decay="scalar")

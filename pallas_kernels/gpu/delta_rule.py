@@ -154,8 +154,12 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
     raise ValueError(f"delta_rule (pallas gpu): K and V must be ≤ {MAX_DIM}")
-  if segment_ids is not None and not num_segments:
-    raise ValueError("delta_rule (pallas gpu): with `segment_ids`, `num_segments` (N, static) must be given")
+  if segment_ids is not None:
+    if jnp.shape(segment_ids) != q.shape[:2] or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+      raise ValueError(f"delta_rule (pallas gpu): `segment_ids` must be an integer array [B, T] = {q.shape[:2]}, "
+                       f"got {jnp.result_type(segment_ids)} {jnp.shape(segment_ids)}")
+    if not num_segments:
+      raise ValueError("delta_rule (pallas gpu): with `segment_ids`, `num_segments` (N, static) must be given")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   static_scale, scale_arr = _static_scale(scale, q.shape[-1])
