@@ -1,12 +1,14 @@
-"""Backward kernels of the chunkwise online solve. Nothing but the inputs is saved by the forward: the
-backward reruns `prep` (W and T = (I + A)⁻¹) and `state_pass` (the chunk states S_in and V_new), then:
+"""Backward kernels of the chunkwise online solve. The forward saves its inputs and T = (I + A)⁻¹; the
+backward forms W and U from T (`delta_rule_fwd.prep` given T: the `wu` kernel), reruns `state_pass` (the chunk
+states S_in and V_new; packed sequences reset as in the forward), then:
 
 4. `dv_local`    chunk-parallel, grid (B, HV, NC, V/BV): dV_loc = scale · Mᵀ dO with M the decayed causal
                  scores tril((Q⊙e^G)(K̃⊙e^−G)ᵀ) (what V_new receives from the chunk's own outputs).
 5. `state_bwd`   sequential in reverse, grid (B, HV, V/BV), the fp32 state gradient dS [K, BV] in registers:
                  dV_new = dV_loc + (K̃⊙e^{G_C−G}) dS;
                  dS ← e^{G_C} ⊙ dS + scale (Q⊙e^G)ᵀ dO − Wᵀ dV_new; emits dS leaving every chunk, dV_new
-                 and dS0.
+                 and dS0 (packed: dS restarts from dS_T[n] at segment n's last chunk, dS0[n] is stored at its
+                 first).
 6. `grads_state` chunk-parallel, grid (B, HV, NC, K/BK), a static loop over V blocks, three [C, BK]
                  accumulators: the state-side terms dq_state = scale (dO Sᵀ) ⊙ e^G, dW = −dV_new Sᵀ and
                  dk̃_state = (V_new dSᵀ) ⊙ e^{G_C − G}, and their share of dG (with the chunk-end terms).

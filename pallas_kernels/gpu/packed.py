@@ -5,7 +5,9 @@ in a row, numbered n = 0..N-1 in row-major order), segment n's tokens go to posi
 single row of static length L = ⌈(B·T + N·(C − 1)) / C⌉·C, where base_n is a multiple of the chunk C and the
 gaps are zero tokens (β = 0, g = 0: they leave the state unchanged). No chunk then holds two segments, so
 every chunk-parallel kernel runs unchanged; only the two state passes reset, reading one int32 per chunk
-(`chunk_info`: segment << 2 | last chunk of it << 1 | first chunk of it). N must be static.
+(`chunk_info`: segment << 2 | last chunk of it << 1 | first chunk of it). N must be static. The row holds up
+to N·(C − 1) padding tokens: cheap when segments are long against the chunk, up to C times the work when
+most segments are a few tokens long (use a smaller chunk_size there).
 """
 from __future__ import annotations
 
