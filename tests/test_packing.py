@@ -222,6 +222,23 @@ def test_pallas_packed_equals_each_segment_alone(decay):
   check_no_gradient_crosses(fn, p.arrays(jnp.float32), int(LAYOUT.n[1, 1]), nonzero=False)
 
 
+def test_packed_row_lanes_partition_the_chunks():
+  """The lanes of the packed state passes: segment n's lane starts at its first chunk, lanes tile [0, NC) in
+  order (absent segments: empty lanes; the last lane also takes the trailing padding chunks)."""
+  from pallas_kernels.gpu import packed
+  ids = segment_ids([[30, 1, 29, 40], [2, 98]])
+  n, c = packing.num_segments(ids) + 2, 16
+  pos, info, present = packed.chunk_aligned(ids, n, c)
+  nc = packed.row_length(ids.size, n, c) // c
+  codes, lanes = np.asarray(info[:nc]), np.asarray(info[nc:])
+  assert lanes.shape == (n + 1,) and lanes[0] == 0 and lanes[-1] == nc and np.all(np.diff(lanes) >= 0)
+  first = np.flatnonzero(codes & 1)
+  np.testing.assert_array_equal(lanes[:-1][np.asarray(present)], first)
+  np.testing.assert_array_equal(codes[first] >> 2, np.flatnonzero(np.asarray(present)))
+  assert np.all(np.diff(lanes)[:-1][~np.asarray(present)[:-1]] == 0)
+  assert np.all(np.asarray(pos) // c >= lanes[np.asarray(packing.segment_index(ids)).reshape(-1)])
+
+
 def test_pallas_packed_traced_ids_and_spare_segments():
   """Under jit with traced ids, N from initial_state, here larger than the segments present: as in xla and
   the oracle, the spare segments' final states are zero (and their initial states get no gradient)."""

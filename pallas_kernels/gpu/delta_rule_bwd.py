@@ -105,10 +105,11 @@ def _state_bwd_kernel(st, *refs):
   has_g, packed = st.decay != "none", st.segments > 0
   w_ref, q_ref, kw_ref, g_ref, do_ref, dvl_ref, info_ref, dst_ref, dvn_ref, dh_ref, ds0_ref = _split(
       refs, 1, 1, 1, int(has_g), 1, 1, int(packed), 1, 1, 1, 1)
-  c_len, kd, nc = st.chunk, st.key_dim, st.num_chunks
+  c_len, kd = st.chunk, st.key_dim
+  lo, hi = L.lane_bounds(st, info_ref) if packed else (0, st.num_chunks)
 
   def body(i, dS):
-    c = nc - 1 - i
+    c = hi - 1 - i
     t0 = pl.multiple_of(c * c_len, c_len)
     if packed:                # the state leaving a segment's last chunk is that segment's final state
       seg, first, last = L.decode_chunk_info(info_ref[c])
@@ -135,9 +136,9 @@ def _state_bwd_kernel(st, *refs):
     return dS
 
   if packed:
-    lax.fori_loop(0, nc, body, jnp.zeros((kd, dst_ref.shape[-1]), F32))
+    lax.fori_loop(0, hi - lo, body, jnp.zeros((kd, dst_ref.shape[-1]), F32))
   else:
-    ds0_ref[...] = lax.fori_loop(0, nc, body, dst_ref[...].astype(F32))
+    ds0_ref[...] = lax.fori_loop(0, st.num_chunks, body, dst_ref[...].astype(F32))
 
 
 def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
@@ -145,7 +146,7 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
   fp32). Packed: `info`, dS_T and dS0 as in `delta_rule_fwd.state_pass` (dS0 rows of absent segments are
   not written)."""
   bv = st.blocks.v_block("state", st.value_dim)
-  w = L.seq_grid
+  _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True),
               L.tokens(st, st.key_dim, w, st.key_head, whole=True),
               L.tokens(st, st.key_dim, w, st.kw_head, whole=True)]

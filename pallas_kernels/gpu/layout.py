@@ -10,7 +10,7 @@ Arrays (T padded to a multiple of the chunk C, K and V padded to powers of two â
   partial sums over the programs of a split grid axis: [NP, B, HV, T] (summed in XLA).
 
 Grids: chunk-parallel kernels (B, HV, NC), (B, HV, NC, NV) or (B, HV, NC, NK); sequential state passes
-(B, HV, NV).
+(B, HV, NV), packed (N lanes, HV, NV) over the one row (`packed.py`).
 Value head h reads key head h // (HV / H) and write-key head h // (HV / Hkw).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Static:
   low_precision: bool = False   # bf16 operands (fp32 accumulation) for the dots that do not build T,
                                 # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
   segments: int = 0             # packed: N segments laid out chunk-aligned in one row (batch 1); 0: not
-                                # packed. The state passes then reset at segment starts (`chunk_info`).
+                                # packed. The state passes then run one lane per segment (`chunk_info`).
 
   @property
   def mm(self):
@@ -165,8 +165,15 @@ def state(st: Static, width: int, where):
 
 
 def chunk_info(st: Static):
-  """[NC] int32 per chunk (packed only): segment << 2 | (last chunk of it) << 1 | (first chunk of it)."""
-  return pl.BlockSpec((st.num_chunks,), lambda *g: (0,))
+  """[NC + N + 1] int32 (packed only): per chunk, segment << 2 | (last chunk of it) << 1 | (first chunk of it);
+  then the lane bounds (the first chunk of each segment, and NC)."""
+  return pl.BlockSpec((st.num_chunks + st.segments + 1,), lambda *g: (0,))
+
+
+def lane_bounds(st: Static, info_ref):
+  """[first, end) chunks of this program's lane (packed state passes; the grid's first axis is the lane)."""
+  p = pl.program_id(0)
+  return info_ref[st.num_chunks + p], info_ref[st.num_chunks + p + 1]
 
 
 def decode_chunk_info(code):
@@ -195,6 +202,18 @@ def chunk_v_grid(b, h, c, iv):
 
 def seq_grid(b, h, iv):
   return b, h, None, iv
+
+
+def lane_grid(lane, h, iv):
+  del lane                                  # every lane reads and writes parts of batch row 0
+  return 0, h, None, iv
+
+
+def state_pass_grid(st: Static):
+  """(grid, where) of the sequential state passes: (B, HV, V/bv), packed (N lanes, HV, V/bv)."""
+  bv = st.blocks.v_block("state", st.value_dim)
+  lead = st.segments or st.batch
+  return (lead, st.value_heads, st.value_dim // bv), (lane_grid if st.segments else seq_grid)
 
 
 def state_pass_outputs(st: Static, bv: int, w):

@@ -4,10 +4,13 @@ With `segment_ids` [B, T] (the convention of `osdn_jax.ops.packing`: a segment i
 in a row, numbered n = 0..N-1 in row-major order), segment n's tokens go to positions base_n + 0, 1, … of a
 single row of static length L = ⌈(B·T + N·(C − 1)) / C⌉·C, where base_n is a multiple of the chunk C and the
 gaps are zero tokens (β = 0, g = 0: they leave the state unchanged). No chunk then holds two segments, so
-every chunk-parallel kernel runs unchanged; only the two state passes reset, reading one int32 per chunk
-(`chunk_info`: segment << 2 | last chunk of it << 1 | first chunk of it). N must be static. The row holds up
-to N·(C − 1) padding tokens: cheap when segments are long against the chunk, up to C times the work when
-most segments are a few tokens long (use a smaller chunk_size there).
+every chunk-parallel kernel runs unchanged; only the two state passes reset. They read one int32 array
+`info` [NC + N + 1]: per chunk, segment << 2 | last chunk of it << 1 | first chunk of it; then the lane bounds,
+the first chunk of each segment and NC. The state passes run one program per lane (segment n's chunks and, for
+the last lane, the trailing padding chunks), so the segments' serial chunk loops run in parallel, as the
+batch rows of an unpacked call do. N must be static. The row holds up to N·(C − 1) padding tokens: cheap when
+segments are long against the chunk, up to C times the work when most segments are a few tokens long (use a
+smaller chunk_size there).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ def row_length(tokens: int, num_segments: int, chunk: int) -> int:
 
 
 def chunk_aligned(segment_ids, num_segments: int, chunk: int):
-  """→ (pos [B·T] int32 positions in the row, info [L / C] int32, present [N] bool: segment n has tokens)."""
+  """→ (pos [B·T] int32 positions in the row, info [L/C + N + 1] int32 (the module docstring), present [N]
+  bool: segment n has tokens)."""
   b, t = segment_ids.shape
   n = num_segments
   seg = jnp.minimum(packing.segment_index(segment_ids).reshape(-1), n - 1)   # more than N segments: clamped
@@ -36,8 +40,9 @@ def chunk_aligned(segment_ids, num_segments: int, chunk: int):
   has = chunks[cseg] > 0
   first = has & (c == end[cseg] - chunks[cseg])
   last = has & (c == end[cseg] - 1)
-  info = (cseg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32)
-  return pos, info, lens > 0
+  codes = (cseg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32)
+  lanes = jnp.append(end - chunks, c.shape[0]).astype(jnp.int32)
+  return pos, jnp.concatenate([codes, lanes]), lens > 0
 
 
 def to_row(x, pos, length: int):
