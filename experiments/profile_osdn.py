@@ -64,30 +64,39 @@ def main():
   ap.add_argument("--shape", action="append", help="B,T,G,K (repeatable); default 4,4096,16,128 and "
                   "1,32768,8,128")
   ap.add_argument("--runs", type=int, default=10)
-  ap.add_argument("--block-t", type=int, default=None, help="tokens per loop iteration (default: the kernel's)")
+  ap.add_argument("--blocks", default="", help="comma-separated FWD/BWD tokens per loop iteration to compare, "
+                  "e.g. 16/8,32/16 (default: the kernel's)")
   ap.add_argument("--warps", type=int, default=None)
   ap.add_argument("--stages", type=int, default=1)
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
+  ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
+                  help="also time the token-serial lax.scan and compare values")
   a = ap.parse_args()
   shapes = a.shape or ["4,4096,16,128", "1,32768,8,128"]
   interpret = jax.default_backend() == "cpu"
   base = osdn.INTERPRET_BLOCKS if interpret else osdn.DEFAULT_BLOCKS
-  blocks = osdn.DPassBlocks(block_t=a.block_t or base.block_t, num_warps=a.warps, num_stages=a.stages)
+  pairs = [tuple(map(int, p.split("/"))) for p in a.blocks.split(",") if p] or [(base.block_t, base.block_t_bwd)]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
-  print(f"jax {jax.__version__} {jax.devices()[0].device_kind} blocks={blocks} interpret={interpret} "
-        f"anchor={a.anchor} clip=[0, 8]", flush=True)
+  print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
+        f"clip=[0, 8] warps={a.warps} stages={a.stages}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)
-    (kf, kb), (sf, sb) = _fns("kernel", blocks, kw), _fns("scan", blocks, kw)
-    err = max(rel_rms(x, y) for x, y in zip(jax.tree.leaves((kf(*args), kb(*args))),
-                                            jax.tree.leaves((sf(*args), sb(*args)))))
-    times = {name: _ms(fn, *args, runs=a.runs) for name, fn in
-             (("kernel fwd", kf), ("scan fwd", sf), ("kernel fwd+bwd", kb), ("scan fwd+bwd", sb))}
-    print(f"B,T,G,K={shape}: " + "  ".join(f"{n} {v:9.3f} ms" for n, v in times.items())
-          + f"  speedup fwd {times['scan fwd'] / times['kernel fwd']:.1f}x"
-          + f" fwd+bwd {times['scan fwd+bwd'] / times['kernel fwd+bwd']:.1f}x  max rel-rms diff {err:.2e}",
-          flush=True)
+    ref = None
+    if a.scan:
+      sf, sb = _fns("scan", None, kw)
+      ref = jax.tree.leaves((sf(*args), sb(*args)))
+      print(f"B,T,G,K={shape}: scan fwd {_ms(sf, *args, runs=a.runs):9.3f} ms  "
+            f"scan fwd+bwd {_ms(sb, *args, runs=a.runs):9.3f} ms", flush=True)
+    for bf, bb in pairs:
+      blocks = osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, num_warps=a.warps, num_stages=a.stages)
+      kf, kb = _fns("kernel", blocks, kw)
+      line = (f"B,T,G,K={shape} block_t={bf}/{bb}: kernel fwd {_ms(kf, *args, runs=a.runs):9.3f} ms  "
+              f"kernel fwd+bwd {_ms(kb, *args, runs=a.runs):9.3f} ms")
+      if ref is not None:
+        err = max(rel_rms(x, y) for x, y in zip(jax.tree.leaves((kf(*args), kb(*args))), ref))
+        line += f"  max rel-rms diff vs scan {err:.2e}"
+      print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ Token t writes with d_t; the results are ds = (d_1 … d_T) [B, T, G, K] and d_{
 
 Forward kernel, grid (B, G), one program per (batch, head): ⟨d, u⟩ couples all K channels, so d [K] of one head
 lives in one program's registers (one warp up to K = 128). A `fori_loop` over blocks of `block_t` tokens whose
-body is unrolled (static offsets from the block start: the row loads of a block are independent of d and can be
-issued early); the T mod block_t tokens left over are unrolled after the loop, so T needs no padding and no
-token past T is ever processed (d_{T+1} is exact for both anchors). Per token: one row load of u, scalar loads
+body is unrolled and issues all the block's loads (independent of d) before its first step, so one memory
+latency is paid per block, not per token; the T mod block_t tokens left over are unrolled after the loop, so
+T needs no padding and no token past T is ever processed (d_{T+1} is exact for both anchors). Per token: one row load of u, scalar loads
 of β, n, r, one K-reduction, a row store of d_t.
 
 Backward kernel, same grid, the adjoint in reverse token order. With λ the cotangent of d_{t+1} (d_{T+1}'s
@@ -57,17 +57,21 @@ def _pow2(x: int) -> bool:
 class DPassBlocks:
   """Launch parameters of the d-pass kernels (speed only, not numerics).
 
-  block_t:    tokens per iteration of the sequential loop (the loop body is unrolled over them).
+  block_t:    tokens per iteration of the forward's sequential loop (the loop body is unrolled over them and
+              issues all their loads first: registers grow with it).
+  block_t_bwd: the same for the backward (three K-rows per token are held: smaller).
   num_warps:  Triton warps per program; None: 1 for K ≤ 128 (the K-reductions stay within a warp), else 2.
   num_stages: Triton num_stages.
   """
   block_t: int = 32
+  block_t_bwd: int = 16
   num_warps: int | None = None
   num_stages: int = 1
 
   def __post_init__(self):
-    if not _pow2(self.block_t):
-      raise ValueError(f"DPassBlocks.block_t={self.block_t} must be a power of two")
+    for name in ("block_t", "block_t_bwd"):
+      if not _pow2(getattr(self, name)):
+        raise ValueError(f"DPassBlocks.{name}={getattr(self, name)} must be a power of two")
     if self.num_warps is not None and not _pow2(self.num_warps):
       raise ValueError(f"DPassBlocks.num_warps={self.num_warps} must be a power of two")
     if self.num_stages < 1:
@@ -78,7 +82,7 @@ class DPassBlocks:
 
 
 DEFAULT_BLOCKS = DPassBlocks()
-INTERPRET_BLOCKS = DPassBlocks(block_t=4)   # interpret mode: unrolling only costs compile time there
+INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4)   # interpret mode: unrolling only costs compile time there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +99,6 @@ class Static:
   blocks: DPassBlocks
   interpret: bool
   segments: int = 0        # packed: N (per-token codes reset d; d1 and d_{T+1} are per segment); 0: not
-
-  @property
-  def num_full(self) -> int:
-    return self.length // self.blocks.block_t
-
-  @property
-  def rem(self) -> int:
-    return self.length % self.blocks.block_t
 
   @property
   def has_r(self) -> bool:
@@ -154,22 +150,24 @@ def _split(refs, *present):
   return out
 
 
-def _sequential(st, token, carry, reverse: bool):
-  """Runs token(t, carry) → carry for t = 0 … T−1 (or T−1 … 0): a fori_loop over full blocks with an
-  unrolled body, and the last T mod block_t tokens unrolled on their own."""
-  bt, nf, rem = st.blocks.block_t, st.num_full, st.rem
+def _sequential(st, load, step, carry, reverse: bool, block_t: int):
+  """Runs carry ← step(t, load(t), carry) for t = 0 … T−1 (or T−1 … 0): a fori_loop over blocks of block_t
+  tokens, the last T mod block_t tokens on their own. Each block first issues every load of its tokens, then
+  runs the unrolled steps: loads written after the previous token's stores could not be moved above them
+  (the refs may alias), so a per-token load would put one memory latency on the dependency chain per token."""
+  nf, rem = divmod(st.length, block_t)
+
+  def run(ts, c):
+    ts = list(reversed(ts)) if reverse else ts
+    xs = [load(t) for t in ts]
+    for t, x in zip(ts, xs):
+      c = step(t, x, c)
+    return c
 
   def block(i, c):
-    t0 = i * bt
-    for j in (reversed(range(bt)) if reverse else range(bt)):
-      c = token(t0 + j, c)
-    return c
+    return run([i * block_t + j for j in range(block_t)], c)
 
-  def tail(c):
-    for j in (reversed(range(rem)) if reverse else range(rem)):
-      c = token(jnp.int32(nf * bt + j), c)
-    return c
-
+  tail = lambda c: run([jnp.int32(nf * block_t + j) for j in range(rem)], c)
   zero, count = jnp.int32(0), jnp.int32(nf)
   if reverse:
     c = tail(carry)
@@ -223,12 +221,17 @@ def _fwd_kernel(st, *refs):
       refs, True, True, True, st.has_r, packed, True, st.has_o, True, True)
   o = o_ref[...] if st.has_o else None
 
-  def token(t, d):
+  def load(t):
+    code = _decode(c_ref[t]) if packed else None
+    d1 = d1_ref[code[0], :] if packed else None
+    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, code, d1
+
+  def step(t, x, d):
+    u, b, n, r, code, d1 = x
     if packed:                            # a segment's first token starts from its own d1
-      seg, first, last = _decode(c_ref[t])
-      d = jnp.where(first, d1_ref[seg, :], d)
-    r = r_ref[t] if st.has_r else None
-    d_bar, _, _ = _pre_clip(st, d, u_ref[t, :], b_ref[t], n_ref[t], r, o)
+      seg, first, last = code
+      d = jnp.where(first, d1, d)
+    d_bar, _, _ = _pre_clip(st, d, u, b, n, r, o)
     ds_ref[t, :] = d
     d_next = _clip(st, d_bar)
     if packed:
@@ -237,10 +240,11 @@ def _fwd_kernel(st, *refs):
         dl_ref[seg, :] = d_next
     return d_next
 
+  bt = st.blocks.block_t
   if packed:
-    _sequential(st, token, jnp.zeros((st.key_dim,), F32), reverse=False)
+    _sequential(st, load, step, jnp.zeros((st.key_dim,), F32), False, bt)
   else:
-    dl_ref[...] = _sequential(st, token, d1_ref[...].astype(F32), reverse=False)
+    dl_ref[...] = _sequential(st, load, step, d1_ref[...].astype(F32), False, bt)
 
 
 def _forward(st, u, n, beta, r, codes, d1, o):
@@ -270,13 +274,18 @@ def _bwd_kernel(st, *refs):
        True, True, True, st.has_r, True, st.has_o)
   o = o_ref[...] if st.has_o else None
 
-  def token(t, carry):
+  def load(t):
+    code = _decode(c_ref[t]) if packed else None
+    g_last = gl_ref[code[0], :] if packed else None
+    return (u_ref[t, :], ds_ref[t, :], gds_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None,
+            code, g_last)
+
+  def step(t, x, carry):
     lam, acc_o = carry
+    u, d, g_d, b, n, r, code, g_last = x
     if packed:                            # d_{t+1} of a segment's last token is that segment's d_{T+1}
-      seg, first, last = _decode(c_ref[t])
-      lam = jnp.where(last, gl_ref[seg, :], lam)
-    u, d, b, n = u_ref[t, :], ds_ref[t, :], b_ref[t], n_ref[t]
-    r = r_ref[t] if st.has_r else None
+      seg, first, last = code
+      lam = jnp.where(last, g_last, lam)
     d_bar, coef, s = _pre_clip(st, d, u, b, n, r, o)
     m = _clip_grad(st, d_bar)
     mu = lam if m is None else m * lam
@@ -292,7 +301,7 @@ def _bwd_kernel(st, *refs):
       lam_prev = mu - (c * p) * u
     if st.has_o:
       acc_o = acc_o + (1.0 - r) * mu
-    lam_prev = lam_prev + gds_ref[t, :]
+    lam_prev = lam_prev + g_d
     if packed:
       @pl.when(first)
       def _():                            # d of a segment's first token is its d1
@@ -300,7 +309,7 @@ def _bwd_kernel(st, *refs):
     return lam_prev, acc_o
 
   lam0 = jnp.zeros((st.key_dim,), F32) if packed else gl_ref[...].astype(F32)
-  lam, acc_o = _sequential(st, token, (lam0, jnp.zeros_like(lam0)), reverse=True)
+  lam, acc_o = _sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, st.blocks.block_t_bwd)
   if not packed:
     dd1_ref[...] = lam
   if st.has_o:
