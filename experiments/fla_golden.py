@@ -7,7 +7,11 @@ Run once on a GPU with FLA importable; writes one compressed .npz per op (inputs
 where FLA allows the backward, the gradients of every input under a fixed cotangent) and prints our XLA path's
 error against each. tests/test_fla_golden.py checks our ops against these files without torch.
 
-  python3 -m experiments.fla_golden --out tests/data/fla
+  python3 -m experiments.fla_golden --out tests/data/fla [--ops chunk_kda,...] [--one-config]
+
+--one-config keeps only the first of each FLA kernel's autotuning configs (Triton then skips benchmarking).
+Block sizes change FLA's rounding only, far inside the bf16 tolerances the files are checked at, and it cuts
+the generation from tens of minutes of autotuning to the compile time. Never use it for timing FLA.
 """
 from __future__ import annotations
 
@@ -55,6 +59,17 @@ def _round_bf16(a):
   bits = a.astype(np.float32).view(np.uint32)
   bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
   return bits.view(np.float32)
+
+
+def keep_first_autotune_config():
+  """Patch `triton.autotune` (before fla is imported) to keep only the first config of every kernel."""
+  import triton
+  full = triton.autotune
+
+  def first_only(configs, *args, **kwargs):
+    return full(list(configs)[:1], *args, **kwargs)
+
+  triton.autotune = first_only
 
 
 def run_fla(op, x):
@@ -133,9 +148,16 @@ def rel(a, b):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="tests/data/fla")
+  ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
+  ap.add_argument("--one-config", action="store_true", help="keep the first FLA autotuning config only")
   args = ap.parse_args()
+  ops = args.ops.split(",")
+  if not set(ops) <= set(OPS):
+    raise ValueError(f"--ops={args.ops}: expected a subset of {OPS}")
+  if args.one_config:
+    keep_first_autotune_config()
   os.makedirs(args.out, exist_ok=True)
-  for op in OPS:
+  for op in ops:
     x = inputs(op)
     try:
       y = run_fla(op, x)
