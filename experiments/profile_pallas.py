@@ -37,6 +37,7 @@ SWEEPS = {
     "state_pass": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
+    "inverse (T only)": [dict(warps_prep=2), dict(warps_prep=8)],
     "output": [dict(warps_chunk=8), dict(block_v_out=64)],
     "dv_local": [dict(warps_chunk=8), dict(block_v_out=64)],
     "grads_state": [dict(warps_grad_state=8), dict(block_k_grad=32), dict(block_k_grad=128, warps_grad_state=8),
@@ -105,6 +106,7 @@ def stages(st, x, report=lambda kern: None):
   V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(s, *a), W, U, k, G, S0)
   add("output", lambda s, *a: fwd.output(s, *a, jnp.bfloat16), q, k, G, S_in, V_new)
   _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a, emit_t=True), k, k, v, beta, G)
+  add("inverse (T only)", lambda s, *a: fwd.inverse(s, *a), k, k, beta, G)
   add("wu (from T)", lambda s, *a: fwd.prep(s, *a[:5], T=a[5]), k, k, v, beta, G, T)
   dvl = add("dv_local", lambda s, *a: bwd.dv_local(s, *a), q, k, G, do)
   dV_new, dS_out, _ = add("state_bwd", lambda s, *a: bwd.state_bwd(s, *a), W, q, k, G, do, dvl, dS)
@@ -169,7 +171,7 @@ def main():
     if ms is not None:
       if kern.name in ("prep (with T)", "state_pass", "output"):
         total["forward"] += ms
-      if not kern.name.startswith(("prep", "output")):
+      if not kern.name.startswith(("prep", "output", "inverse")):
         total["backward"] += ms
     for over in (SWEEPS.get(kern.name, []) if kern.name in sweep else []):
       try:
@@ -191,6 +193,9 @@ def main():
   _timed("whole forward (jit)", lambda: whole_fwd(*inputs), a.runs)
   fwd_t = jax.jit(lambda *r: fwd.forward(st, *r, emit_t=True))
   _timed("whole forward emitting T (jit)", lambda: fwd_t(*inputs), a.runs)
+  st_split = dataclasses.replace(st, blocks=dataclasses.replace(blocks, split_prep=True))
+  split_fwd = jax.jit(lambda *r: fwd.forward(st_split, *r, emit_t=True))
+  _timed("whole forward emitting T, split_prep (jit)", lambda: split_fwd(*inputs), a.runs)
   T = fwd_t(*inputs)[2]
   whole_bwd = jax.jit(lambda *r: bwd.backward(st, (*r[:7], None, r[7]), r[8], r[9]))
   _timed("whole backward (jit)", lambda: whole_bwd(*inputs, T, x["do"], x["dS"]), a.runs)

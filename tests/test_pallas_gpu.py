@@ -23,9 +23,10 @@ from pallas_kernels.gpu.config import BlockSizes
 
 DECAYS = ("none", "scalar", "channel")
 # (T, chunk, H, HV, k_write, initial state, also against XLA, blocks): odd T with GVA, asymmetric value-head
-# write keys and a state; T a multiple of the chunk with shared keys, no state and V split over two blocks in
-# every kernel. (The bf16 cases add key-head write keys with GVA.)
-_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16)
+# write keys and a state; T a multiple of the chunk with shared keys, no state, V split over two blocks in
+# every kernel and the forward's T formed by its own kernel (split_prep). (The bf16 cases add key-head write
+# keys with GVA.)
+_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16, split_prep=True)
 VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, BlockSizes()),
             "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V)}
 

@@ -47,6 +47,8 @@ class BlockSizes:
                 passes (state), of `grads_state` (grad_state), of `grads_intra` / `grads_pairs` (grad) and of
                 `grads_finish` (finish).
   stages:       Triton num_stages (software pipelining of the loops).
+  split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
+                backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
   fp32_dots:    how the fp32 dots (those that build T = (I + A)⁻¹ and dA = −Tᵀ dT Tᵀ; every dot with fp32
                 inputs) run when compiled: "tf32x3" (tensor cores, three TF32 products, about fp32 accuracy)
                 or "ieee" (exact fp32 on the FMA units, several times slower). Interpret mode is always IEEE.
@@ -70,6 +72,7 @@ class BlockSizes:
   stages: int = 2
   chunk_channel: int = 16
   fp32_dots: str = "tf32x3"
+  split_prep: bool = False
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
            "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish")

@@ -79,11 +79,11 @@ def decay_rows(st, g):
 
 
 def _prep_kernel(st, mode, *refs):
-  """mode "wu": W, U; "wut": also T; "from_t": W, U from a given T (no Gram, no inverse)."""
+  """mode "wu": W, U; "wut": also T; "t": T only; "from_t": W, U from a given T (no Gram, no inverse)."""
   has_g = st.decay != "none"
-  given = mode == "from_t"
+  given, wu = mode == "from_t", mode != "t"
   k_ref, kw_ref, v_ref, beta_ref, g_ref, t_in, w_ref, u_ref, t_ref = _split(
-      refs, 1, int(not given), 1, 1, int(has_g), int(given), 1, 1, int(mode == "wut"))
+      refs, 1, int(not given), int(wu), 1, int(has_g), int(given), int(wu), int(wu), int(mode in ("wut", "t")))
   s, n = st.sub, st.num_sub
   if given:
     T = [t_in[block(a, s), :] for a in range(n)]
@@ -92,6 +92,8 @@ def _prep_kernel(st, mode, *refs):
   if t_ref is not None:
     for a in range(n):
       t_ref[block(a, s), :] = T[a]
+  if not wu:
+    return
   beta = load(beta_ref, ALL)[:, None]
   kb = st.lo(beta * row_scale(load(k_ref, ALL), decay_rows(st, load(g_ref, ALL) if has_g else None)))
   for a in range(n):
@@ -101,18 +103,21 @@ def _prep_kernel(st, mode, *refs):
     u_ref[block(a, s), :] = dot(st.lo(T[a]), bv).astype(u_ref.dtype)
 
 
-def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None):
+def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, mode=None):
   """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T = (I + A)⁻¹ [B, HV, T, C] fp32 when emit_t). Given
-  T (the forward's, in the backward), only W and U are formed from it."""
+  T (the forward's, in the backward), only W and U are formed from it. mode "t" (`inverse`): T alone."""
   w = L.chunk_grid
-  mode = "from_t" if T is not None else ("wut" if emit_t else "wu")
+  mode = mode or ("from_t" if T is not None else ("wut" if emit_t else "wu"))
   in_specs = [L.tokens(st, st.key_dim, w, st.key_head)]
   args = [k]
   if T is None:
     in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
     args.append(kw)
-  in_specs += [L.tokens(st, st.value_dim, w), L.vector(st, w)]
-  args += [v, beta]
+  if mode != "t":
+    in_specs.append(L.tokens(st, st.value_dim, w))
+    args.append(v)
+  in_specs.append(L.vector(st, w))
+  args.append(beta)
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
@@ -120,18 +125,26 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None):
     in_specs.append(L.head_major(st, st.chunk, w))
     args.append(T)
   hv, t = (st.batch, st.value_heads), st.length
-  out_specs = [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
-  out_shape = [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm),
-               jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
-  if mode == "wut":
+  out_specs, out_shape = [], []
+  if mode != "t":
+    out_specs += [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
+    out_shape += [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm),
+                  jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
+  if mode in ("wut", "t"):
     out_specs.append(L.head_major(st, st.chunk, w))
     out_shape.append(jax.ShapeDtypeStruct((*hv, t, st.chunk), F32))
   kernel = lambda *refs: _prep_kernel(st, mode, *refs)
+  name = {"from_t": "delta_rule_wu", "t": "delta_rule_inverse"}.get(mode, "delta_rule_prep")
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                      num_warps=st.blocks.warps_prep, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots,
-                     name="delta_rule_wu" if mode == "from_t" else "delta_rule_prep")(*args)
+                     fp32_dots=st.blocks.fp32_dots, name=name)(*args)
+
+
+def inverse(st: L.Static, k, kw, beta, G):
+  """→ T = (I + A)⁻¹ [B, HV, T, C] fp32 alone (the Gram blocks and the block forward substitution)."""
+  T, = prep(st, k, kw, None, beta, G, mode="t")
+  return T
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -247,7 +260,11 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
   """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32), and T = (I + A)⁻¹
   [B, HV, T, C] fp32 when emit_t (the one residual the backward keeps besides the inputs). Packed: `info`
   and the state layout of `state_pass`."""
-  W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
+  if st.blocks.split_prep:
+    T = [inverse(st, k, kw, beta, G)]
+    W, U = prep(st, k, kw, v, beta, G, T=T[0])
+  else:
+    W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
   V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info)
   o = output(st, q, kw, G, S_in, V_new, q.dtype)
   return (o, S_T, T[0]) if emit_t else (o, S_T)
