@@ -33,20 +33,21 @@ from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
-    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(sub=32), dict(sub=32, warps_prep=8)],
+    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(sub=32), dict(sub=32, warps_prep=8),
+             dict(factor_diag=False)],
     "state_pass": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
     "inverse (T only)": [dict(warps_prep=2), dict(warps_prep=8)],
-    "output": [dict(warps_chunk=8), dict(block_v_out=64)],
-    "dv_local": [dict(warps_chunk=8), dict(block_v_out=64)],
+    "output": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False)],
+    "dv_local": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False)],
     "grads_state": [dict(warps_grad_state=8), dict(block_k_grad=32), dict(block_k_grad=128, warps_grad_state=8),
                     dict(block_v_grad=32), dict(block_v_grad=128)],
     "grads_intra": [dict(warps_grad=4), dict(block_v_grad=128), dict(block_v_grad=32)],
     "grads_finish": [dict(warps_finish=4), dict(block_k_grad=32), dict(block_k_grad=32, warps_finish=4),
                      dict(block_k_grad=128)],
-    "grads_pairs": [dict(warps_grad=4), dict(block_k_diag=32), dict(block_k_grad=32, block_k_diag=32),
-                    dict(block_k_grad=16, warps_grad=4)],
+    "grads_pairs": [dict(warps_grad=4), dict(block_k_diag=32), dict(block_k_diag=64), dict(block_k_diag=64,
+                    warps_grad=4), dict(block_k_grad=32, block_k_diag=32), dict(factor_diag=False)],
 }
 
 

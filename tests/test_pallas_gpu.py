@@ -102,13 +102,22 @@ def test_split_k(decay):
   _compare(p, jnp.float32, 16, blocks=blocks)
 
 
-def test_extreme_gates():
-  """Strong per-channel decays with values far below the −30 clamp, and β = 0 and β = 1 rows."""
+def test_channel_two_sub_blocks():
+  """Per-channel decay at chunk 32 (BlockSizes.chunk_channel): two 16-row sub-blocks, factored off-diagonal
+  and (decays allowing) factored diagonal blocks, odd T, GVA, asymmetric keys and a state."""
+  p = random_problem(15, B=1, T=45, H=1, HV=2, K=16, V=16, decay="channel", k_write="value", initial_state=True)
+  _compare(p, jnp.float32, 32, blocks=BlockSizes(chunk_channel=32))
+
+
+@pytest.mark.parametrize("factor_diag", [True, False])
+def test_extreme_gates(factor_diag):
+  """Strong per-channel decays with values far below the −30 clamp, and β = 0 and β = 1 rows. With
+  factor_diag the first chunk's diagonal blocks are too steep to factor (pairwise) and the others factor."""
   p = random_problem(10, B=1, T=40, H=1, HV=1, K=16, V=16, decay="channel", k_write="key", decay_bias=-3.0)
   p.log_decay[:, 5:9] = -100.0
   p.beta[:, 12:14] = 0.0
   p.beta[:, 20:22] = 1.0
-  got = vjp_all(_fn(gpu, chunk_size=16), p.arrays(jnp.float32))
+  got = vjp_all(_fn(gpu, chunk_size=16, blocks=BlockSizes(factor_diag=factor_diag)), p.arrays(jnp.float32))
   want = vjp_all(_fn(chunked, chunk_size=16), p.arrays(jnp.float32))
   assert_trees_close(got, want, jnp.float32)
 

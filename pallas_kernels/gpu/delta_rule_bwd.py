@@ -69,8 +69,8 @@ def _dv_local_kernel(st, *refs):
     dvl_ref[...] = (st.scale * dot(st.lo(M), st.lo(do_ref[...]), ta=True)).astype(dvl_ref.dtype)
     return
   s, n = st.sub, st.num_sub
-  P = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim)).scores(q_ref, kw_ref, strict=False,
-                                                                          mm=st.mm)
+  ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
+  P = ch.scores(q_ref, kw_ref, strict=False, mm=st.mm)
   for b in range(n):
     acc = None
     for a in range(b, n):
@@ -437,7 +437,7 @@ def _grads_pairs_kernel(st, *refs):
   s, n = st.sub, st.num_sub
   bk = g_ref.shape[-1]
   kc = min(st.blocks.k_block("diag", st.key_dim), bk)
-  ch = Channel(g_ref, s, n, kc)
+  ch = Channel(g_ref, s, n, kc, st.blocks.factor_diag)
   io = (q_ref, k_ref, kw_ref, beta_ref, t_ref, dw_ref, dm_ref, da_ref, dqs_ref, dkws_ref, dgs_ref,
         dq_ref, dk_ref, dkw_ref)
 

@@ -57,7 +57,8 @@ def gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref):
   or fp32 operands for the per-channel factors)."""
   s, n = st.sub, st.num_sub
   if st.decay == "channel":
-    P = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim)).scores(k_ref, kw_ref, strict=True)
+    ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
+    P = ch.scores(k_ref, kw_ref, strict=True)
   else:
     G = [load(g_ref, block(a, s)) for a in range(n)] if st.decay == "scalar" else [None] * n
     P = {}
@@ -226,7 +227,7 @@ def _output_kernel(st, *refs):
     o_ref[...] = (st.scale * acc).astype(o_ref.dtype)
     return
   s, n = st.sub, st.num_sub
-  ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim))
+  ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
   P = ch.scores(q_ref, kw_ref, strict=False, mm=st.mm)
   for a in range(n):
     acc = dot(st.lo(load(q_ref, block(a, s)) * jnp.exp(ch.G(a))), S)

@@ -7,9 +7,11 @@ Decay none / scalar: every C×C score matrix is ONE dot ([C, K] × [K, C]) times
 Per-channel decay (DESIGN.md §2), on s×s sub-blocks (s = `BlockSizes.sub`, n = C / s of them):
 * off-diagonal (a > b): factored through the reference row r_a = a·s − 1, both factors ≤ 1:
   P_ab = (x_a ⊙ e^{G_a − r_a}) (y_b ⊙ e^{r_a − G_b})ᵀ; the row factor is computed once per row block a;
-* diagonal: pairwise, as [s, s, kc] tensors e^{G_ic − G_jc} over K chunks of kc columns (exponent masked
-  before exp), reduced over the channel (scores) or over a pair index (gradients) — no sequential loop over
-  columns, no in-register row extraction.
+* diagonal: factored through the block's middle row m_a, (x_a ⊙ e^{G_a − m_a})(y_a ⊙ e^{m_a − G_a})ᵀ masked,
+  when every factor is ≤ e^40 (`Channel.factored_ok`, checked per program at run time: decays down to about
+  −5 per token at s = 16); otherwise pairwise, as [s, s, kc] tensors e^{G_ic − G_jc} over K chunks of kc
+  columns (exponent masked before exp), reduced over the channel (scores) or over a pair index (gradients).
+  Either way no sequential loop over columns, no in-register row extraction.
 Rows of refs (the reference row, K chunks) are read from the refs, never sliced out of register values.
 
 T = (I + A)⁻¹ (A strictly lower, given as s×s blocks): the n diagonal blocks are inverted by forward
@@ -27,6 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, masked_exp, take_col
 
 ALL = slice(None)
+SAFE_EXPONENT = 40.0   # factored diagonal blocks: every factor ≤ e^40, every intermediate far below fp32's max
 
 
 def causal(c: int, strict: bool):
@@ -118,11 +121,12 @@ def _diag_exp(G, strict: bool):
 class Channel:
   """Per-channel decay of one chunk: G read from `g_ref` [C, K'] (K' the columns this program sees).
 
-  s, n: sub-block rows and count; kc: the K chunk of the pairwise diagonal tensors (divides K').
+  s, n: sub-block rows and count; kc: the K chunk of the pairwise diagonal tensors (divides K'); factor:
+  whether diagonal blocks may be factored (`BlockSizes.factor_diag`; False: always pairwise).
   """
 
-  def __init__(self, g_ref, s: int, n: int, kc: int):
-    self.g_ref, self.s, self.n, self.kc = g_ref, s, n, kc
+  def __init__(self, g_ref, s: int, n: int, kc: int, factor: bool = True):
+    self.g_ref, self.s, self.n, self.kc, self.factor = g_ref, s, n, kc, factor
     self.kdim = g_ref.shape[-1]
 
   def G(self, a, cols=ALL):
@@ -143,12 +147,45 @@ class Channel:
   def _chunks(self):
     return self.kdim // self.kc
 
-  def diag_scores(self, x_ref, y_ref, strict: bool):
+  def mid_row(self, a, cols=ALL):
+    """G at row a·s + s/2 − 1, the reference m_a of the factored diagonal block a: [K']."""
+    return load(self.g_ref, a * self.s + self.s // 2 - 1, cols)
+
+  def factored_ok(self, blocks, cols=ALL):
+    """Whether every diagonal block a in `blocks` may be factored through m_a: both factors e^{G_i − m_a} and
+    e^{m_a − G_j} ≤ e^{SAFE_EXPONENT} on its rows (G falls along the rows, so the first and last rows
+    bound them). A traced bool scalar."""
+    worst = None
+    for a in blocks:
+      m = self.mid_row(a, cols)
+      first, last = load(self.g_ref, a * self.s, cols), load(self.g_ref, a * self.s + self.s - 1, cols)
+      w = jnp.maximum(jnp.max(first - m), jnp.max(m - last))
+      worst = w if worst is None else jnp.maximum(worst, w)
+    return worst <= SAFE_EXPONENT
+
+  def _factors(self, a, cols=ALL):
+    """(e^{G_a − m_a}, e^{m_a − G_a}) [s, K'] of diagonal block a (bounded when `factored_ok`)."""
+    d = self.G(a, cols) - self.mid_row(a, cols)[None, :]
+    return jnp.exp(d), jnp.exp(-d)
+
+  def diag_scores(self, x_ref, y_ref, strict: bool, mm=None):
     """[Σ_c x_ic y_jc e^{G_ic − G_jc} (j ≤ i, or j < i)] for every diagonal sub-block a: a list of n [s, s].
 
-    One loop over K chunks of kc columns, every block's [s, s, kc] pairwise tensor per step.
+    When the chunk's decay allows (`factored_ok`), one dot per block, (x ⊙ e^{G − m})(y ⊙ e^{m − G})ᵀ
+    masked; else one loop over K chunks of kc columns, every block's [s, s, kc] pairwise tensor per step.
+    `mm` as in `scores` (None: fp32 operands).
     """
     s, n, kc = self.s, self.n, self.kc
+    lo = (lambda z: z) if mm is None else (lambda z: z.astype(mm))
+    mask = causal(s, strict)
+
+    def factored():
+      out = []
+      for a in range(n):
+        fx, fy = self._factors(a)
+        p = dot(lo(load(x_ref, block(a, s)) * fx), lo(load(y_ref, block(a, s)) * fy), tb=True)
+        out.append(jnp.where(mask, p, 0.0))
+      return tuple(out)
 
     def step(cols, acc):
       out = []
@@ -158,17 +195,22 @@ class Channel:
         out.append(acc[a] + jnp.sum(x[:, None, :] * y[None, :, :] * e, axis=2))
       return tuple(out)
 
-    zeros = tuple(jnp.zeros((s, s), F32) for _ in range(n))
-    if self._chunks() == 1:
-      return list(step(ALL, zeros))
-    body = lambda i, acc: step(pl.ds(pl.multiple_of(i * kc, kc), kc), acc)
-    return list(lax.fori_loop(0, self._chunks(), body, zeros))
+    def pairwise():
+      zeros = tuple(jnp.zeros((s, s), F32) for _ in range(n))
+      if self._chunks() == 1:
+        return step(ALL, zeros)
+      body = lambda i, acc: step(pl.ds(pl.multiple_of(i * kc, kc), kc), acc)
+      return lax.fori_loop(0, self._chunks(), body, zeros)
+
+    if not self.factor:
+      return list(pairwise())
+    return list(lax.cond(self.factored_ok(range(n)), factored, pairwise))
 
   def scores(self, x_ref, y_ref, strict: bool, mm=None):
     """{(a, b): P_ab [s, s]} for b ≤ a (diagonal pairwise; off-diagonal factored). `mm` None: fp32
     operands (exact, for the Gram that builds T); else the off-diagonal operands are cast to mm."""
     s, n = self.s, self.n
-    P = dict(((a, a), p) for a, p in enumerate(self.diag_scores(x_ref, y_ref, strict)))
+    P = dict(((a, a), p) for a, p in enumerate(self.diag_scores(x_ref, y_ref, strict, mm)))
     lo = (lambda z: z) if mm is None else (lambda z: z.astype(mm))
     for a in range(1, n):
       xa = lo(load(x_ref, block(a, s)) * self.row_factor(a))
@@ -180,13 +222,30 @@ class Channel:
     """The diagonal block a's share of the pair gradients, for K columns `cols` (one K chunk).
 
     y [s, kc] (fp32); dx_ws: weights [s, s] → Σ_j w_ij y_jc e_ijc each; dy_terms: (w [s, s], x [s, kc]) →
-    Σ_terms Σ_i w_ij x_ic e_ijc. Weights carry their own triangular masks; e is taken for i ≥ j.
+    Σ_terms Σ_i w_ij x_ic e_ijc, e_ijc = [i ≥ j] e^{G_ic − G_jc}. Factored when the decay allows
+    (`factored_ok`): e_ijc = [i ≥ j] e^{G_ic − m_c} e^{m_c − G_jc}, so each sum is one dot of masked weights.
     """
-    e = _diag_exp(self.G(a, cols), strict=False)
-    ye = y[None, :, :] * e
-    dxs = [jnp.sum(w[:, :, None] * ye, axis=1) for w in dx_ws]
-    dy = None
-    for w, x in dy_terms:
-      t = jnp.sum(w[:, :, None] * x[:, None, :] * e, axis=0)
-      dy = t if dy is None else dy + t
-    return dxs, dy
+
+    def factored():
+      fx, fy = self._factors(a, cols)
+      keep = causal(self.s, strict=False)
+      dxs = [fx * dot(jnp.where(keep, w, 0.0), y * fy) for w in dx_ws]
+      dy = None
+      for w, x in dy_terms:
+        t = fy * dot(jnp.where(keep, w, 0.0), x * fx, ta=True)
+        dy = t if dy is None else dy + t
+      return dxs, dy
+
+    def pairwise():
+      e = _diag_exp(self.G(a, cols), strict=False)
+      ye = y[None, :, :] * e
+      dxs = [jnp.sum(w[:, :, None] * ye, axis=1) for w in dx_ws]
+      dy = None
+      for w, x in dy_terms:
+        t = jnp.sum(w[:, :, None] * x[:, None, :] * e, axis=0)
+        dy = t if dy is None else dy + t
+      return dxs, dy
+
+    if not self.factor:
+      return pairwise()
+    return lax.cond(self.factored_ok([a], cols), factored, pairwise)
