@@ -33,8 +33,7 @@ from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
-    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(sub=32), dict(sub=32, warps_prep=8),
-             dict(factor_diag=False)],
+    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False)],
     "state_pass": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
@@ -46,8 +45,8 @@ SWEEPS = {
     "grads_intra": [dict(warps_grad=4), dict(block_v_grad=128), dict(block_v_grad=32)],
     "grads_finish": [dict(warps_finish=4), dict(block_k_grad=32), dict(block_k_grad=32, warps_finish=4),
                      dict(block_k_grad=128)],
-    "grads_pairs": [dict(warps_grad=4), dict(block_k_diag=32), dict(block_k_diag=64), dict(block_k_diag=64,
-                    warps_grad=4), dict(block_k_grad=32, block_k_diag=32), dict(factor_diag=False)],
+    "grads_pairs": [dict(warps_pairs=8), dict(block_k_pairs=32), dict(block_k_pairs=16),
+                    dict(block_k_grad=32, block_k_pairs=32), dict(factor_diag=False)],
 }
 
 

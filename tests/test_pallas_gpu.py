@@ -98,7 +98,8 @@ def test_split_k(decay):
   (none / scalar), grads_pairs' loop over K chunks inside one 32-column program (per channel), the K chunks
   of the per-channel diagonal sub-blocks; V loops of two 16-column steps."""
   p = random_problem(14, B=1, T=40, H=1, HV=2, K=32, V=32, decay=decay, k_write="key", initial_state=True)
-  blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_v_grad=16)
+  blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_k_pairs=16,
+                      block_v_grad=16)
   _compare(p, jnp.float32, 16, blocks=blocks)
 
 

@@ -41,11 +41,16 @@ class BlockSizes:
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
                 `grads_pairs` (per channel).
-  block_k_diag: K columns per step of the per-channel diagonal sub-blocks, computed as [sub, sub, block_k_diag]
-                pairwise tensors (larger: fewer steps, more registers).
-  warps_*:      Triton num_warps of the chunk-parallel forward kernels (chunk), of `prep` (prep), of the state
-                passes (state), of `grads_state` (grad_state), of `grads_intra` / `grads_pairs` (grad) and of
-                `grads_finish` (finish).
+  block_k_diag: K columns per step of the per-channel diagonal sub-blocks of the score kernels (prep, output,
+                dv_local) when they run pairwise, as [sub, sub, block_k_diag] tensors (larger: fewer steps, more
+                registers).
+  block_k_pairs: the same K step in `grads_pairs`. 64: with factored diagonal blocks (`factor_diag`) the step
+                is a few dots; H200, KDA B=4 T=4096 H=16 K=128: grads_pairs 1.17 ms at 64 with 4 warps,
+                2.96 ms at 16 with 4 warps, 6.87 ms at 16 with 8 warps.
+  warps_*:      Triton num_warps of the chunk-parallel forward kernels (chunk), of `prep` (prep; per-channel
+                decay: prep_channel, 2: 0.48 ms against 0.79 ms at 4 on the shape above), of the state passes
+                (state), of `grads_state` (grad_state), of `grads_intra` (grad), of `grads_pairs` (pairs) and
+                of `grads_finish` (finish).
   stages:       Triton num_stages (software pipelining of the loops).
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
                 backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
@@ -67,11 +72,14 @@ class BlockSizes:
   block_v_grad: int = 128
   block_k_grad: int = 64
   block_k_diag: int = 16
+  block_k_pairs: int = 64
   warps_chunk: int = 4
   warps_prep: int = 4
   warps_state: int = 4
   warps_grad_state: int = 4
   warps_grad: int = 8
+  warps_prep_channel: int = 2
+  warps_pairs: int = 4
   warps_finish: int = 4
   stages: int = 2
   chunk_channel: int = 16
@@ -80,7 +88,8 @@ class BlockSizes:
   factor_diag: bool = True
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
-           "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish")
+           "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",
+           "block_k_pairs", "warps_prep_channel", "warps_pairs")
 
   def __post_init__(self):
     for name in self._POW2:
@@ -89,11 +98,12 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
     if self.sub not in (16, 32):
       raise ValueError(f"BlockSizes.sub={self.sub} must be 16 or 32 (Triton dots need dims ≥ 16)")
-    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag"):
+    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag", "block_k_pairs"):
       if not 16 <= getattr(self, name) <= MAX_DIM:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be in [16, {MAX_DIM}]")
-    if self.block_k_diag > 64:
-      raise ValueError(f"BlockSizes.block_k_diag={self.block_k_diag} must be ≤ 64 (registers)")
+    for name in ("block_k_diag", "block_k_pairs"):
+      if getattr(self, name) > 64:
+        raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be ≤ 64 (registers)")
     if self.chunk_channel not in CHUNK_SIZES:
       raise ValueError(f"BlockSizes.chunk_channel={self.chunk_channel} must be one of {CHUNK_SIZES}")
     if self.fp32_dots not in ("ieee", "tf32x3"):
@@ -116,7 +126,7 @@ class BlockSizes:
     return min(getattr(self, f"block_v_{name}"), vdim)
 
   def k_block(self, name: str, kdim: int) -> int:
-    """The K block of kernel family `name` ("grad" | "diag") for padded K = kdim."""
+    """The K block of kernel family `name` ("grad" | "diag" | "pairs") for padded K = kdim."""
     return min(getattr(self, f"block_k_{name}"), kdim)
 
 

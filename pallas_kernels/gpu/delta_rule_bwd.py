@@ -436,7 +436,7 @@ def _grads_pairs_kernel(st, *refs):
    dq_ref, dk_ref, dkw_ref, dbeta_ref, dg_ref) = _split(refs, *([1] * 14), int(sep), 1, 1)
   s, n = st.sub, st.num_sub
   bk = g_ref.shape[-1]
-  kc = min(st.blocks.k_block("diag", st.key_dim), bk)
+  kc = min(st.blocks.k_block("pairs", st.key_dim), bk)
   ch = Channel(g_ref, s, n, kc, st.blocks.factor_diag)
   io = (q_ref, k_ref, kw_ref, beta_ref, t_ref, dw_ref, dm_ref, da_ref, dqs_ref, dkws_ref, dgs_ref,
         dq_ref, dk_ref, dkw_ref)
@@ -474,7 +474,7 @@ def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG
   out_shape = [_f32((b, t, hv, kd)) for _ in range(n_k)] + [_f32((nk, b, hv, t)), _f32((b, t, hv, kd))]
   kernel = lambda *refs: _grads_pairs_kernel(st, *refs)
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
+                     out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_pairs,
                      num_stages=st.stages,
                      fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_pairs")(*args)
   dq, dk = outs[:2]

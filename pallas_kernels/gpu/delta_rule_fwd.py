@@ -138,7 +138,8 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, mode=
   name = {"from_t": "delta_rule_wu", "t": "delta_rule_inverse"}.get(mode, "delta_rule_prep")
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_prep, num_stages=st.stages,
+                     num_warps=st.blocks.warps_prep_channel if st.decay == "channel" else st.blocks.warps_prep,
+                     num_stages=st.stages,
                      fp32_dots=st.blocks.fp32_dots, name=name)(*args)
 
 
