@@ -31,7 +31,8 @@ from osdn_jax.dgps import precond
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (HV = H, K = V = D)")
 _SEGMENTS = flags.DEFINE_integer("segments", 8, "segments per row of the packed cases")
 _CASES = flags.DEFINE_list("cases", ["packed", "offline", "pdn", "osdn"], "cases to run")
-_TIME = flags.DEFINE_bool("time", True, "also time both implementations")
+_TIME = flags.DEFINE_bool("time", True, "also time the Pallas implementation")
+_TIME_REF = flags.DEFINE_bool("time_ref", True, "also time the reference implementation")
 _OUT = flags.DEFINE_string("out", "results/check_pallas_extras.json", "JSON results")
 
 
@@ -119,7 +120,7 @@ def main(argv):
     if not _TIME.value:
       continue
     bf = tuple(a.astype(jnp.bfloat16) if n in ("q", "k", "kw", "v") else a for n, a in zip(names, args))
-    for which in (impl, ref):
+    for which in (impl, ref) if _TIME_REF.value else (impl,):
       if which == "sequential" and t > 8192:
         continue
       fwd = jax.jit(lambda *a: f(which, *a))
