@@ -6,7 +6,9 @@ HIGHEST; then bf16 speed of both, forward and forward+backward, `experiments.tim
             decay, value-head write keys: implementation "pallas" vs "xla";
   offline   `ops.linear_attention` (per-channel decay): "pallas" (the delta-rule kernels, zero erase key) vs
             "xla";
-  pdn       `precond.pdn_write_key`: implementation "pallas" (`decayed_sum`) vs "scan" (associative scan);
+  pdn       `precond.pdn_write_key` (initial state, per-head centre): implementation "pallas" (the fused kernel
+            `precond_key`: A never stored) vs "scan" (associative scan);
+  atq       `precond.atq_query` likewise (`precond_key` with ATQ's transform) vs "scan";
   osdn      `precond.osdn_write_key` packed, clip on: method "pallas" (packed d-pass kernel) vs "sequential"
             (token-serial scan; skipped from timing at long T).
 Writes JSON (--out) after every measurement.
@@ -30,7 +32,7 @@ from osdn_jax.dgps import precond
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (HV = H, K = V = D)")
 _SEGMENTS = flags.DEFINE_integer("segments", 8, "segments per row of the packed cases")
-_CASES = flags.DEFINE_list("cases", ["packed", "offline", "pdn", "osdn"], "cases to run")
+_CASES = flags.DEFINE_list("cases", ["packed", "offline", "pdn", "atq", "osdn"], "cases to run")
 _TIME = flags.DEFINE_bool("time", True, "also time the Pallas implementation")
 _TIME_REF = flags.DEFINE_bool("time_ref", True, "also time the reference implementation")
 _OUT = flags.DEFINE_string("out", "results/check_pallas_extras.json", "JSON results")
@@ -55,7 +57,7 @@ def _inputs(b, t, h, d, segments, seed=0):
            gc=-np.logaddexp(0, -(rng.normal(size=(b, t, h, d)) + 4)),
            beta_p=sig(rng.normal(size=(b, t, h))), g_p=-np.logaddexp(0, -(rng.normal(size=(b, t, h)) + 4)),
            r=sig(rng.normal(size=(b, t, h)) + 3), S0=rng.normal(size=(n, h, d, d)) / np.sqrt(d),
-           d0=0.5 + rng.random(size=(n, h, d)))
+           d0=0.5 + rng.random(size=(n, h, d)), A0=rng.random(size=(b, h, d)), center=np.linspace(-0.5, 0.3, h))
   return {k: jnp.asarray(a, jnp.float32) for k, a in x.items()}, ids
 
 
@@ -71,9 +73,13 @@ def _case(name, ids):
       return ops.linear_attention(q, k, v, beta=beta, log_decay=gc, output_final_state=True, implementation=impl)
     return ("q", "k", "v", "beta", "gc"), f, ("pallas", "xla")
   if name == "pdn":
-    def f(impl, k, beta_p, g_p):
-      return precond.pdn_write_key(k, beta_p, g_p, jnp.full((k.shape[2],), -0.2), implementation=impl)
-    return ("k", "beta_p", "g_p"), f, ("pallas", "scan")
+    def f(impl, k, beta_p, g_p, A0, center):
+      return precond.pdn_write_key(k, beta_p, g_p, center, initial_state=A0, implementation=impl)
+    return ("k", "beta_p", "g_p", "A0", "center"), f, ("pallas", "scan")
+  if name == "atq":
+    def f(impl, q, k, beta_p, g_p, A0):
+      return precond.atq_query(q, k, beta_p, g_p, initial_state=A0, implementation=impl)
+    return ("q", "k", "beta_p", "g_p", "A0"), f, ("pallas", "scan")
   if name == "osdn":
     def f(impl, k, beta, r, d0):
       return precond.osdn_write_key(k, beta, retention=r, initial_state=d0, segment_ids=ids, method=impl)

@@ -46,8 +46,8 @@ def _load_backends() -> None:
 
 
 def lookup(op: str, spec, dtype, chunk_size: int, platform: str) -> Callable[..., Any] | None:
-  """The first registered kernel for `op` ("delta_rule" | "linear_attention" | "osdn_d_pass" | "decayed_sum")
-  that supports the request."""
+  """The first registered kernel for `op` ("delta_rule" | "linear_attention" | "osdn_d_pass" | "decayed_sum" |
+  "precond_key") that supports the request."""
   _load_backends()
   for kernel in _REGISTRY.get(op, ()):
     if kernel.supports(spec, dtype, chunk_size, platform):

@@ -1,6 +1,7 @@
-"""The Pallas decayed-sum kernel of the PDN / ATQ preconditioners (interpret mode on CPU) against the
-`lax.associative_scan` path: values, final state and every input gradient; through `pdn_write_key` and
-`atq_query`; dispatch; lowering to Triton IR for CUDA."""
+"""The Pallas kernels of the PDN / ATQ preconditioners (interpret mode on CPU) against the
+`lax.associative_scan` path: `decayed_sum` (the second moment) and `precond_key` (the second moment fused with
+PDN's write key / ATQ's query, through `pdn_write_key` and `atq_query`): values, final state and every input
+gradient; dispatch and errors; lowering to Triton IR for CUDA."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +48,11 @@ def _values_and_grads(fn, args, seed=1):
   return tuple(o) + tuple(grads)
 
 
+def _jit_values_and_grads(fn, args):
+  """`_values_and_grads` under one jit (compiling one module beats compiling every primitive eagerly)."""
+  return jax.jit(lambda a: _values_and_grads(fn, a))(args)
+
+
 def _scan_ref(x, g, beta, A0):
   b = x.astype(F32) if beta is None else beta[..., None] * x.astype(F32) ** 2
   return affine_scan(jnp.exp(jnp.maximum(g, -30.0))[..., None], b, initial=A0, axis=1)
@@ -78,8 +84,8 @@ def test_decayed_sum_bf16_input():
 
 @pytest.mark.parametrize("which", ["pdn", "atq"])
 def test_preconditioners_through_the_kernel(which):
-  """pdn_write_key / atq_query with implementation="pallas" against "scan": values and gradients w.r.t. k,
-  the gates and the initial state (and q for ATQ)."""
+  """pdn_write_key / atq_query with implementation="pallas" (the fused kernel `precond_key`) against "scan":
+  values and gradients w.r.t. k, the gates and the initial state (and q for ATQ)."""
   x, g, beta, A0 = _inputs(5, H=2, K=16)
   k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = jnp.flip(k, 1)
@@ -90,8 +96,8 @@ def test_preconditioners_through_the_kernel(which):
                                                           implementation=impl)
     return lambda k, g, beta, A0: precond.atq_query(q, k, beta, g, initial_state=A0, implementation=impl)
 
-  got = _values_and_grads(run("pallas"), (k, g, beta, A0))
-  want = _values_and_grads(run("scan"), (k, g, beta, A0))
+  got = _jit_values_and_grads(run("pallas"), (k, g, beta, A0))
+  want = _jit_values_and_grads(run("scan"), (k, g, beta, A0))
   for i, (a, b) in enumerate(zip(got, want)):
     assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
 
@@ -125,4 +131,123 @@ def test_lowers_to_triton(triton_lowering, capsys):
                    sd(2, 4, 128)).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert ir.count("@decayed_sum(") >= 2 and "scf.for" in ir
+  assert all(verified), verified
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fused kernel `precond_key` (A never stored) through pdn_write_key / atq_query, against the scan path.
+# ---------------------------------------------------------------------------------------------------------
+def _key_inputs(seed, T, dtype=F32, extreme=False):
+  """(k, q, beta, g, A0, centre): B=2, H=3, K=20 (padded to 32), L2-normalised keys; extreme adds zero keys
+  (whole tokens and some channels) to `_inputs`' extreme gates."""
+  x, g, beta, A0 = _inputs(seed, T=T, extreme=extreme)
+  rng = np.random.default_rng(seed + 100)
+  k = np.array(x / jnp.linalg.norm(x, axis=-1, keepdims=True))
+  if extreme:
+    k[:, 10:12], k[:, 20:30, :, :5] = 0.0, 0.0
+  q = rng.normal(size=k.shape)
+  centre = jnp.asarray([-0.2, 0.1, 0.3], F32)
+  return jnp.asarray(k, dtype), jnp.asarray(q, dtype), beta, g, A0, centre
+
+
+def _key_fn(which, impl):
+  """fn(k, q, beta, g, A0, centre) → (y, A_T) through `precond.pdn_write_key` or `precond.atq_query`."""
+  if which == "pdn":
+    return lambda k, q, beta, g, A0, c: precond.pdn_write_key(k, beta, g, c, x=1.7, initial_state=A0,
+                                                              implementation=impl)
+  return lambda k, q, beta, g, A0, c: precond.atq_query(q, k, beta, g, lam=0.5, initial_state=A0,
+                                                        implementation=impl)
+
+
+def _key_args(which, k, q, beta, g, A0, centre, initial=True):
+  return (k, q if which == "atq" else None, beta, g, A0 if initial else None, centre if which == "pdn" else None)
+
+
+@pytest.mark.parametrize("which,T,initial,extreme", [("pdn", 77, True, False), ("pdn", 150, False, True),
+                                                     ("atq", 150, True, True), ("atq", 77, False, False)])
+def test_precond_key_against_scan(which, T, initial, extreme):
+  """Outputs, A_T and the gradients of every input (k, q, β, g, centre, A0) under random cotangents on both
+  outputs; T = 77 (one padded chunk and a part) or 150 (three chunks), K = 20; extreme gates finite and equal."""
+  args = _key_args(which, *_key_inputs(7, T, extreme=extreme), initial=initial)
+  got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
+  want = _jit_values_and_grads(_key_fn(which, "scan"), args)
+  assert len(got) == 2 + sum(a is not None for a in args)
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert a.shape == b.shape and a.dtype == b.dtype and np.all(np.isfinite(np.asarray(a))), i
+    assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
+
+
+def test_precond_key_split_blocks():
+  """The GPU's chunk (16) with K split into two blocks of 16 (partial sums of dβ, dg, dc over K blocks) gives
+  the same function as the interpret-mode default (chunk 4, one K block)."""
+  from pallas_kernels.gpu import precond_key as pk
+  blocks = pk.KeyBlocks(chunk=16, block_k=16, warps=1)
+  args = _key_args("pdn", *_key_inputs(10, 77))
+
+  def fn(k, q, beta, g, A0, c):
+    return pk.precond_key(k, beta, g, transform="pdn", center=c, x=1.7, initial_state=A0, blocks=blocks)
+  got = _jit_values_and_grads(fn, args)
+  want = _jit_values_and_grads(_key_fn("pdn", "scan"), args)
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
+  with pytest.raises(ValueError, match="KeyBlocks.chunk"):
+    pk.KeyBlocks(chunk=2)
+
+
+def test_precond_key_bf16_inputs():
+  """bf16 k and q: outputs in bf16 and every gradient within a bf16 tolerance of the scan on the same inputs."""
+  k, q, beta, g, A0, centre = _key_inputs(8, 77, dtype=jnp.bfloat16)
+  for which in ("pdn", "atq"):
+    args = _key_args(which, k, q, beta, g, A0, centre)
+    got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
+    want = _jit_values_and_grads(_key_fn(which, "scan"), args)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == F32 and got[2].dtype == jnp.bfloat16
+    for i, (a, b) in enumerate(zip(got, want)):
+      assert a.dtype == b.dtype and rel_rms(a, b) < 1e-2, (which, i, rel_rms(a, b))
+
+
+def test_precond_key_dispatch_and_errors():
+  from pallas_kernels.gpu import precond_key as pk
+  spec = lambda packed, static=True: type("Spec", (), {"key_dim": 64, "packed": packed, "static_params": static})()
+  assert pallas_kernels.lookup("precond_key", spec(False), jnp.bfloat16, 0, "gpu") is pk.precond_key
+  assert pallas_kernels.lookup("precond_key", spec(True), F32, 0, "gpu") is None
+  assert pallas_kernels.lookup("precond_key", spec(False, False), F32, 0, "gpu") is None
+  assert pallas_kernels.lookup("precond_key", spec(False), jnp.float64, 0, "gpu") is None
+  k, q, beta, g, A0, centre = _key_inputs(9, 8)
+  with pytest.raises(ValueError, match="packed"):
+    precond.pdn_write_key(k, beta, g, centre, segment_ids=jnp.zeros((2, 8), jnp.int32), implementation="pallas")
+  with pytest.raises(ValueError, match="float64"):
+    precond.atq_query(q.astype(jnp.float64), k, beta, g, implementation="pallas")
+  with pytest.raises(ValueError, match="traced"):
+    jax.jit(lambda x: precond.pdn_write_key(k, beta, g, centre, x=x, implementation="pallas"))(1.5)
+  with pytest.raises(ValueError, match="`implementation`"):
+    precond.atq_query(q, k, beta, g, implementation="triton")
+  bad = [(dict(k=k[0]), "`k`"), (dict(beta=beta[:, :4]), "`beta`"), (dict(log_decay=g[..., :1]), "`log_decay`"),
+         (dict(initial_state=A0[:1]), "`initial_state`"), (dict(center=centre[:2]), "`center`"),
+         (dict(transform="atq"), "`q`"), (dict(transform="atq", q=q[:, :4]), "`q`"),
+         (dict(transform="exact"), "`transform`"), (dict(lam=0.0), "lam")]
+  for change, match in bad:
+    kw = {**dict(k=k, beta=beta, log_decay=g, transform="pdn", center=centre), **change}
+    with pytest.raises(ValueError, match=match):
+      pk.precond_key(kw.pop("k"), kw.pop("beta"), kw.pop("log_decay"), **kw)
+
+
+@pytest.mark.parametrize("which", ["pdn", "atq"])
+def test_precond_key_lowers_to_triton(which, triton_lowering, capsys):
+  """Forward (apply) and backward (carry_grad, grads) and the chunk-carry `decayed_sum` passes lower to verified
+  Triton IR for CUDA."""
+  from pallas_kernels.gpu import precond_key as pk
+  verified = triton_lowering
+  sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
+
+  def loss(k, q, beta, g, A0, c):
+    y, A_T = pk.precond_key(k, beta, g, transform=which, q=q, center=c, initial_state=A0, interpret=False)
+    return jnp.sum(y.astype(F32)) + jnp.sum(A_T)
+  f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5) if which == "pdn" else (0, 1, 2, 3, 4))
+  bf = jnp.bfloat16
+  jax.jit(f).trace(sd(2, 100, 4, 128, dtype=bf), sd(2, 100, 4, 128, dtype=bf), sd(2, 100, 4), sd(2, 100, 4),
+                   sd(2, 4, 128), sd(4)).lower(lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  for name in ("precond_key_apply", "precond_key_carry_grad", "precond_key_grads", "decayed_sum"):
+    assert f"@{name}(" in ir, name
   assert all(verified), verified

@@ -9,9 +9,10 @@ Shapes: keys and queries [B, T, H, K]; a per-token gate [B, T, G] where G is the
 the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 
 * PDN (Preconditioned DeltaNet): A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t k_t²; z = log(A_t + ε) − c;
-  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan` (on a GPU, the
-  chunked Pallas kernel `pallas_kernels.gpu.decayed_sum`).
-* ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates).
+  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan`; on a GPU
+  `pdn_write_key` runs the fused chunk-parallel Pallas kernel `pallas_kernels.gpu.precond_key` (A_t never
+  stored) and `second_moment` the chunked kernel `pallas_kernels.gpu.decayed_sum`.
+* ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates); on a GPU through `precond_key` too.
 * OSDN (Online Scaled DeltaNet): d learned online by hypergradient descent on the surrogate
   h_t(d) = ((1 − β⟨d, k²⟩)² − 1) / (2‖k‖²); token t writes with guard(d_t ⊙ k_t), then
   d̄_{t+1} = r_t d_t + η β_t (1 − β_t⟨d_t, k_t²⟩) k_t² / ‖k_t‖²  (APF anchor "zero"; r ≡ 1 is vanilla OSDN) or
@@ -59,6 +60,24 @@ def num_segments(segment_ids, initial_state):
     return None
 
 
+def _pallas_kernel(op, caller, dtype, key_dim, segment_ids, implementation, static_params=True):
+  """The registered Pallas kernel `op` when `implementation` resolves to pallas ("pallas", or "auto" on a GPU
+  backend) and a kernel supports the call, else None; "pallas" without a supporting kernel raises."""
+  if implementation not in ("auto", "scan", "pallas"):
+    raise ValueError(f"{caller}: `implementation` must be 'auto', 'scan' or 'pallas', got {implementation!r}")
+  if not (implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")):
+    return None
+  import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
+  spec = types.SimpleNamespace(key_dim=key_dim, packed=segment_ids is not None, static_params=static_params)
+  kernel = pallas_kernels.lookup(op, spec, dtype, 0, jax.default_backend())
+  if kernel is None and implementation == "pallas":
+    raise ValueError(f"{caller}: no Pallas kernel for dtype {jnp.dtype(dtype).name}, "
+                     f"{'packed' if segment_ids is not None else 'unpacked'} sequences"
+                     f"{'' if static_params else ', traced transform constants'} on {jax.default_backend()}; "
+                     "use implementation='scan'")
+  return kernel
+
+
 def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
@@ -68,18 +87,8 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
   else scan).
   Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
-  if implementation not in ("auto", "scan", "pallas"):
-    raise ValueError(f"second_moment: `implementation` must be 'auto', 'scan' or 'pallas', got "
-                     f"{implementation!r}")
-  kernel = None
-  if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
-    import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
-    spec = types.SimpleNamespace(key_dim=k.shape[-1], packed=segment_ids is not None)
-    kernel = pallas_kernels.lookup("decayed_sum", spec, jnp.result_type(k), 0, jax.default_backend())
-    if kernel is None and implementation == "pallas":
-      raise ValueError(f"second_moment: no Pallas kernel for dtype {jnp.result_type(k)}, "
-                       f"{'packed' if segment_ids is not None else 'unpacked'} sequences on "
-                       f"{jax.default_backend()}; use implementation='scan'")
+  kernel = _pallas_kernel("decayed_sum", "second_moment", jnp.result_type(k), k.shape[-1], segment_ids,
+                          implementation)
   if kernel is not None:
     return kernel(k, log_decay_p, beta=beta_p, initial_state=initial_state)
   ct = _ct(k, beta_p, log_decay_p)
@@ -99,10 +108,21 @@ def pdn_scale(A, center, *, x=1.5, eps=1e-6):
   return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
 
+def _static(*constants):
+  return all(isinstance(c, numbers.Real) for c in constants)
+
+
 def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None,
                   implementation="auto"):
-  """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t (`implementation` as
-  `second_moment`). Returns (k̃ [B,T,H,K], A_T [B,H,K])."""
+  """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K]).
+
+  `implementation` as `second_moment`, but "pallas" runs the fused kernel "precond_key" (A_t never stored;
+  unpacked, fp32/bf16, x and eps static numbers; interpret mode on CPU)."""
+  kernel = _pallas_kernel("precond_key", "pdn_write_key", jnp.result_type(k), k.shape[-1], segment_ids,
+                          implementation, _static(x, eps))
+  if kernel is not None:
+    return kernel(k, beta_p, log_decay_p, transform="pdn", center=center, x=x, eps=eps,
+                  initial_state=initial_state)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
   return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
@@ -110,8 +130,13 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
 
 def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None,
               implementation="auto"):
-  """The apply-to-query transform q̃_t = q_t / (A_t + λ) (`implementation` as `second_moment`). Returns
-  (q̃ [B,T,H,K], A_T [B,H,K])."""
+  """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K]).
+
+  `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number)."""
+  kernel = _pallas_kernel("precond_key", "atq_query", jnp.result_type(q, k), k.shape[-1], segment_ids,
+                          implementation, _static(lam))
+  if kernel is not None:
+    return kernel(k, beta_p, log_decay_p, transform="atq", q=q, lam=lam, initial_state=initial_state)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
   return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T

@@ -1,0 +1,426 @@
+"""PDN's write key and ATQ's query, fused with their decayed second moment, as chunk-parallel Pallas GPU kernels.
+
+    A_t = e^{g_t} A_{t−1} + b_t,   b_t = β_t k_t ⊙ k_t,   A_0 = initial_state       (per batch, head, channel)
+    "pdn": y_t = M(A_t) ⊙ k_t,   M = exp(−log(x) z / (1 + |z|)),   z = log(A_t + ε) − c_h
+    "atq": y_t = q_t / (A_t + λ)
+
+`precond_key` has the results of `osdn_jax.dgps.precond.pdn_write_key` / `atq_query` (y, A_T) for unpacked
+sequences and never writes A [B, T, H, K]. Chunks of C tokens (`KeyBlocks.chunk`), G the in-chunk cumsum of g,
+G_C its total; every kernel but `decayed_sum` has the grid (B, H, NC, K/BK) and no loop:
+  1. `summaries`: s_c = Σ_{j∈c} e^{G_C − G_j} b_j [B, NC, H, K] (weights from XLA, a column sum of a [C, BK] load);
+  2. the carries A_end[c] = e^{G_C(c)} A_end[c−1] + s_c (A_end[−1] = A_0): the `decayed_sum` kernel on these
+     NC-long arrays gives A_in[c] (the state entering chunk c) and A_T;
+  3. `apply`: from A_in, the chunk's rows one by one in registers (A ← e^{g_t} A + b_t, y_t = transform(A)).
+Backward (`jax.custom_vjp`; residuals: the inputs and A_in [B, NC, H, K]). dA_t is the cotangent reaching A_t
+through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
+  B1. `carry_grad` recomputes the rows' A_t and dA_t: s'_c = Σ_{t∈c} e^{G_t} dA_t;
+  B2. ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T (dA_0 = ν_0): `decayed_sum` on the chunk-reversed arrays;
+  B3. `grads`: the rows' A_t forward, then in reverse λ_t = dA_t + e^{g_{t+1}} λ_{t+1} (after the last row:
+      ν_{c+1}); dk = 2βk ⊙ λ, dβ_t = Σ_K k² ⊙ λ_t, dg_t = e^{g_t} Σ_K λ_t ⊙ A_{t−1}, plus the transform's own
+      terms (pdn: dk += dy ⊙ M and the centre's dc; atq: dq = dy / (A + λ)). dβ, dg of a split K and dc of
+      every program come out as partial sums over an extra axis, summed in XLA.
+Every factor is e^{g}, e^{G} or e^{G_C − G} ≤ 1: nothing to mask, nothing overflows. Every row of a chunk is
+loaded before the first store (a load after a store to a ref that may alias it is not issued early).
+T is zero-padded to a multiple of C (b = 0, g = 0 leave A unchanged, so A_T is exact), K to a power of two ≥ 16.
+
+Rows rather than the dot form A = Γ b + e^{G} A_in: on an H200 (B=4, T=4096, H=16, K=128, bf16) that [64, 64] ×
+[64, 64] TF32x3 dot made `apply` 0.23 ms against 0.08 ms without it (0.06 ms for a plain load/store kernel). With
+rows, C = 16, BK = 128, 2 warps: 0.14 ms forward, 0.45 ms forward+backward (pdn; the `decayed_sum` path took
+0.32 / 0.88); C = 32 and 64 hold more rows than the registers of `grads` do (0.57 and 1.3 ms forward+backward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu import decayed_sum
+from pallas_kernels.gpu.chunk_math import F32
+from pallas_kernels.gpu.config import padded_dim, pallas_call
+
+_SQ = getattr(pl, "squeezed", None)
+LOG_DECAY_FLOOR = decayed_sum.LOG_DECAY_FLOOR
+TRANSFORMS = ("pdn", "atq")
+
+
+def _pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyBlocks:
+  """Launch parameters (speed only, not numerics up to fp32 summation order).
+
+  chunk:    tokens per program (C); the recurrence runs row by row over them in registers.
+  block_k:  K columns per program (clamped to the padded K).
+  warps:    Triton num_warps of every kernel (no loops: num_stages = 1).
+  The defaults measured fastest of 10 points on an H200 (C ∈ {16, 32, 64}, BK ∈ {32, 64, 128}, 1–8 warps).
+  Interpret mode runs C = 4 (`INTERPRET_BLOCKS`): unrolled rows only cost compile time there.
+  """
+  chunk: int = 16
+  block_k: int = 128
+  warps: int = 2
+
+  def __post_init__(self):
+    for name in ("chunk", "block_k", "warps"):
+      if not _pow2(getattr(self, name)):
+        raise ValueError(f"KeyBlocks.{name}={getattr(self, name)} must be a power of two")
+    if not 4 <= self.chunk <= 64:
+      raise ValueError(f"KeyBlocks.chunk={self.chunk} must be in [4, 64]")
+    if not 16 <= self.block_k <= 256:
+      raise ValueError(f"KeyBlocks.block_k={self.block_k} must be in [16, 256]")
+
+
+DEFAULT_BLOCKS = KeyBlocks()
+INTERPRET_BLOCKS = KeyBlocks(chunk=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The non-differentiable part of one call (hashable): the transform and its constants, blocks, interpret."""
+  transform: str          # "pdn" | "atq"
+  x: float
+  eps: float
+  lam: float
+  blocks: KeyBlocks
+  interpret: bool
+
+  @property
+  def pdn(self) -> bool:
+    return self.transform == "pdn"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-kernel math. Rows of a chunk are [BK] fp32 register values; every row is loaded before the first store (a
+# load after a store to a ref that may alias it could not be issued earlier), the recurrence runs row by row.
+# ---------------------------------------------------------------------------------------------------------
+def _pdn_scale(st, A, centre):
+  """(M, u = 1 / (1 + |z|)) for A and the centre, both [BK]."""
+  z = jnp.log(A + st.eps) - centre
+  u = 1.0 / (1.0 + jnp.abs(z))
+  return jnp.exp(-math.log(st.x) * z * u), u
+
+
+def _transform(st, A, k, p):
+  """y [BK] from A, k and p: the centre (pdn) or q (atq)."""
+  if st.pdn:
+    return _pdn_scale(st, A, p)[0] * k
+  return p / (A + st.lam)
+
+
+def _transform_vjp(st, A, k, p, dy):
+  """(dA, d_in, dc): the cotangent reaching A through y, that of k (pdn) or q (atq) through y directly, and
+  pdn's ∂⟨dy, y⟩/∂c (None for atq); all [BK]."""
+  if st.pdn:
+    M, u = _pdn_scale(st, A, p)
+    dz = -math.log(st.x) * (dy * k) * M * u * u           # ∂M/∂z = −log(x) M / (1 + |z|)²
+    return dz / (A + st.eps), dy * M, -dz
+  r = 1.0 / (A + st.lam)
+  return -dy * p * r * r, dy * r, None
+
+
+class _Rows(NamedTuple):
+  """One chunk's rows, loaded: k, p (q rows, or the centre repeated), dy (backward) as lists of [BK] fp32; β,
+  e^{g} and e^{G} (in-chunk cumsum) as lists of scalars."""
+  k: list
+  p: list
+  dy: list
+  beta: list
+  decay: list
+  decay_cum: list
+
+
+def _load_rows(st, k_ref, p_ref, beta_ref, g_ref, G_ref=None, dy_ref=None):
+  c = k_ref.shape[0]
+  f32 = lambda ref, t: ref[t, :].astype(F32)
+  p = [p_ref[...]] * c if st.pdn else [f32(p_ref, t) for t in range(c)]
+  return _Rows(k=[f32(k_ref, t) for t in range(c)], p=p,
+               dy=None if dy_ref is None else [f32(dy_ref, t) for t in range(c)],
+               beta=[beta_ref[t] for t in range(c)], decay=[jnp.exp(g_ref[t]) for t in range(c)],
+               decay_cum=None if G_ref is None else [jnp.exp(G_ref[t]) for t in range(c)])
+
+
+def _moments(rows, A_in):
+  """[A_t for every row] of A_t = e^{g_t} A_{t−1} + β_t k_t², from A_in [BK]."""
+  A, out = A_in, []
+  for k, beta, decay in zip(rows.k, rows.beta, rows.decay):
+    A = decay * A + beta * k * k
+    out.append(A)
+  return out
+
+
+def _summaries_kernel(st, k_ref, w_ref, s_ref):
+  k = k_ref[...].astype(F32)
+  s_ref[...] = jnp.sum(w_ref[...][:, None] * k * k, axis=0)
+
+
+def _apply_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, y_ref):
+  rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref)
+  for t, A in enumerate(_moments(rows, ain_ref[...])):
+    y_ref[t, :] = _transform(st, A, rows.k[t], rows.p[t]).astype(y_ref.dtype)
+
+
+def _carry_grad_kernel(st, k_ref, p_ref, beta_ref, g_ref, G_ref, ain_ref, dy_ref, s_ref):
+  rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref, G_ref, dy_ref)
+  s = jnp.zeros_like(rows.k[0])
+  for t, A in enumerate(_moments(rows, ain_ref[...])):
+    s = s + rows.decay_cum[t] * _transform_vjp(st, A, rows.k[t], rows.p[t], rows.dy[t])[0]
+  s_ref[...] = s
+
+
+def _grads_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, dy_ref, nu_ref, *out_refs):
+  if st.pdn:
+    dk_ref, dbeta_ref, dg_ref, dc_ref = out_refs
+  else:
+    dk_ref, dq_ref, dbeta_ref, dg_ref = out_refs
+  rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref, dy_ref=dy_ref)
+  A_in = ain_ref[...]
+  As = _moments(rows, A_in)
+  carry = nu_ref[...]                                      # e^{g_{t+1}} λ_{t+1}; for the last row ν_{c+1}
+  dc = jnp.zeros_like(A_in)
+  for t in reversed(range(len(As))):
+    k, beta = rows.k[t], rows.beta[t]
+    dA, d_in, dc_t = _transform_vjp(st, As[t], k, rows.p[t], rows.dy[t])
+    lam = dA + carry
+    dk = 2.0 * beta * k * lam
+    if st.pdn:
+      dk, dc = dk + d_in, dc + dc_t
+    else:
+      dq_ref[t, :] = d_in.astype(dq_ref.dtype)
+    dk_ref[t, :] = dk.astype(dk_ref.dtype)
+    dbeta_ref[t] = jnp.sum(k * k * lam)
+    # dg_t = Σ λ_t ⊙ e^{g_t} A_{t−1} (= Σ λ_t ⊙ (A_t − b_t) without the cancellation)
+    dg_ref[t] = rows.decay[t] * jnp.sum(lam * (As[t - 1] if t else A_in))
+    carry = rows.decay[t] * lam
+  if st.pdn:
+    dc_ref[...] = dc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout and launches.
+# ---------------------------------------------------------------------------------------------------------
+class _Prep(NamedTuple):
+  """The padded, laid-out inputs: k [B, Tp, H, Kp]; p = q [B, Tp, H, Kp] or the centre broadcast to [H, Kp];
+  head-major [B, H, Tp]: beta, g, G (in-chunk cumsums of g), w = β e^{G_C − G}; G_C [B, NC, H] (chunk totals);
+  A0 [B, H, Kp]."""
+  k: jax.Array
+  p: jax.Array
+  beta: jax.Array
+  g: jax.Array
+  G: jax.Array
+  w: jax.Array
+  G_C: jax.Array
+  A0: jax.Array
+
+
+def _pad(x, axis, size):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return x if x.shape[axis] == size else jnp.pad(x, pad)
+
+
+def _pad_tokens(x, tp, kp):
+  return _pad(_pad(x, 1, tp), 3, kp)
+
+
+def _prepare(k, q, beta, g, A0, centre, st):
+  b, t, h, kd = k.shape
+  c = st.blocks.chunk
+  tp, kp = -(-t // c) * c, padded_dim(kd)
+  nc = tp // c
+  head_major = lambda x: jnp.swapaxes(_pad(x, 1, tp), 1, 2)                           # [B, H, Tp]
+  g, beta = head_major(g), head_major(beta)
+  G = jnp.cumsum(g.reshape(b, h, nc, c), axis=-1)
+  w = beta.reshape(b, h, nc, c) * jnp.exp(G[..., -1:] - G)
+  p = jnp.broadcast_to(centre[:, None], (h, kp)) if st.pdn else _pad_tokens(q, tp, kp)
+  return _Prep(k=_pad_tokens(k, tp, kp), p=p, beta=beta, g=g, G=G.reshape(b, h, tp), w=w.reshape(b, h, tp),
+               G_C=jnp.swapaxes(G[..., -1], 1, 2), A0=_pad(A0, 2, kp))
+
+
+def _specs(prep, st):
+  """BlockSpecs over the grid (b, h, c, l), and the grid."""
+  b, tp, h, kp = prep.k.shape
+  c, bk = st.blocks.chunk, min(st.blocks.block_k, kp)
+  tokens = pl.BlockSpec((_SQ, c, _SQ, bk), lambda i, j, n, l: (i, n, j, l))          # [B, Tp, H, Kp]
+  gates = pl.BlockSpec((_SQ, _SQ, c), lambda i, j, n, l: (i, j, n))                  # [B, H, Tp]
+  chunks = pl.BlockSpec((_SQ, _SQ, _SQ, bk), lambda i, j, n, l: (i, n, j, l))        # [B, NC, H, Kp]
+  head = pl.BlockSpec((_SQ, bk), lambda i, j, n, l: (j, l))                          # [H, Kp]
+  parts = pl.BlockSpec((_SQ, _SQ, _SQ, c), lambda i, j, n, l: (l, i, j, n))          # [Kp/BK, B, H, Tp]
+  specs = dict(tokens=tokens, gates=gates, chunks=chunks, parts=parts, p=head if st.pdn else tokens)
+  return specs, (b, h, tp // c, kp // bk)
+
+
+def _launch(kernel, prep, st, ins, outs, name):
+  """pallas_call of kernel(st, *inputs, *outputs); ins: [(array, spec name)], outs: [(ShapeDtypeStruct, spec
+  name)]. The kernels have no loop: num_stages = 1."""
+  specs, grid = _specs(prep, st)
+  return pallas_call(functools.partial(kernel, st), grid=grid, in_specs=[specs[s] for _, s in ins],
+                     out_specs=[specs[s] for _, s in outs], out_shape=[o for o, _ in outs],
+                     interpret=st.interpret, num_warps=st.blocks.warps, num_stages=1, name=name)(
+                         *(a for a, _ in ins))
+
+
+def _chunk_shape(prep):
+  b, tp, h, kp = prep.k.shape
+  return jax.ShapeDtypeStruct((b, prep.G_C.shape[1], h, kp), F32)
+
+
+def _summaries(prep, st):
+  """s_c = Σ_{j∈c} e^{G_C − G_j} β_j k_j² [B, NC, H, Kp] fp32."""
+  return _launch(_summaries_kernel, prep, st, [(prep.k, "tokens"), (prep.w, "gates")],
+                 [(_chunk_shape(prep), "chunks")], "precond_key_summaries")[0]
+
+
+def _carries(prep, st):
+  """(A_in [B, NC, H, Kp]: the state entering every chunk, A_T [B, H, Kp]) by `decayed_sum` over chunks."""
+  A_end, A_T = decayed_sum._scan(_summaries(prep, st), None, prep.G_C, prep.A0, interpret=st.interpret)
+  return jnp.concatenate([prep.A0[:, None], A_end[:, :-1]], axis=1), A_T
+
+
+def _reverse_carries(s_grad, prep, dA_T, st):
+  """ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T, as the forward recurrence on the chunk-reversed arrays.
+  Returns (ν_{c+1} for every chunk c [B, NC, H, Kp], ν_0 = dA_0 [B, H, Kp])."""
+  nu, nu_0 = decayed_sum._scan(jnp.flip(s_grad, 1), None, jnp.flip(prep.G_C, 1), dA_T, interpret=st.interpret)
+  return jnp.concatenate([jnp.flip(nu, 1)[:, 1:], dA_T[:, None]], axis=1), nu_0
+
+
+def _common(prep):
+  return [(prep.k, "tokens"), (prep.p, "p"), (prep.beta, "gates"), (prep.g, "gates")]
+
+
+def _apply(prep, A_in, st, dtype):
+  y = jax.ShapeDtypeStruct(prep.k.shape, dtype)
+  return _launch(_apply_kernel, prep, st, _common(prep) + [(A_in, "chunks")], [(y, "tokens")],
+                 "precond_key_apply")[0]
+
+
+def _carry_grad(prep, A_in, dy, st):
+  """s'_c = Σ_{t∈c} e^{G_t} dA_t [B, NC, H, Kp]."""
+  ins = _common(prep) + [(prep.G, "gates"), (A_in, "chunks"), (dy, "tokens")]
+  return _launch(_carry_grad_kernel, prep, st, ins, [(_chunk_shape(prep), "chunks")],
+                 "precond_key_carry_grad")[0]
+
+
+def _grads(prep, A_in, dy, nu_next, st, q_dtype):
+  """pdn: (dk, dβ parts, dg parts, dc parts); atq: (dk, dq, dβ parts, dg parts). Parts of dβ, dg:
+  [Kp/BK, B, H, Tp]; of dc: [B, NC, H, Kp]."""
+  b, tp, h, kp = prep.k.shape
+  nk = _specs(prep, st)[1][3]
+  part = (jax.ShapeDtypeStruct((nk, b, h, tp), F32), "parts")
+  outs = [(jax.ShapeDtypeStruct(prep.k.shape, prep.k.dtype), "tokens")]
+  if st.pdn:
+    outs += [part, part, (_chunk_shape(prep), "chunks")]
+  else:
+    outs += [(jax.ShapeDtypeStruct(prep.k.shape, q_dtype), "tokens"), part, part]
+  ins = _common(prep) + [(A_in, "chunks"), (dy, "tokens"), (nu_next, "chunks")]
+  return _launch(_grads_kernel, prep, st, ins, outs, "precond_key_grads")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# custom_vjp.
+# ---------------------------------------------------------------------------------------------------------
+def _forward(k, q, beta, g, A0, centre, st):
+  prep = _prepare(k, q, beta, g, A0, centre, st)
+  A_in, A_T = _carries(prep, st)
+  y = _apply(prep, A_in, st, k.dtype if st.pdn else q.dtype)
+  _, t, _, kd = k.shape
+  return (y[:, :t, :, :kd], A_T[..., :kd]), A_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _precond_key(k, q, beta, g, A0, centre, st):
+  return _forward(k, q, beta, g, A0, centre, st)[0]
+
+
+def _fwd(k, q, beta, g, A0, centre, st):
+  out, A_in = _forward(k, q, beta, g, A0, centre, st)
+  return out, (k, q, beta, g, A0, centre, A_in)
+
+
+def _bwd(st, res, cts):
+  k, q, beta, g, A0, centre, A_in = res
+  dy, dA_T = cts
+  prep = _prepare(k, q, beta, g, A0, centre, st)
+  b, t, h, kd = k.shape
+  tp, kp = prep.k.shape[1], prep.k.shape[3]
+  dy = _pad_tokens(dy, tp, kp)
+  nu_next, dA0 = _reverse_carries(_carry_grad(prep, A_in, dy, st), prep, _pad(dA_T.astype(F32), 2, kp), st)
+  outs = _grads(prep, A_in, dy, nu_next, st, None if st.pdn else q.dtype)
+  if st.pdn:
+    dk, dbeta, dg, dc = outs
+    dq, dc = None, jnp.sum(dc, axis=(0, 1, 3))
+  else:
+    (dk, dq, dbeta, dg), dc = outs, None
+    dq = dq[:, :t, :, :kd]
+  time_major = lambda x: jnp.swapaxes(jnp.sum(x, axis=0), 1, 2)[:, :t]
+  return dk[:, :t, :, :kd], dq, time_major(dbeta), time_major(dg), dA0[..., :kd], dc
+
+
+_precond_key.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry point.
+# ---------------------------------------------------------------------------------------------------------
+def _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state):
+  where = "precond_key (pallas gpu)"
+  if transform not in TRANSFORMS:
+    raise ValueError(f"{where}: `transform` must be one of {TRANSFORMS}, got {transform!r}")
+  if k.ndim != 4:
+    raise ValueError(f"{where}: `k` must be [B, T, H, K], got shape {k.shape}")
+  b, t, h, kd = k.shape
+  for name, a in (("beta", beta), ("log_decay", log_decay)):
+    if a.shape != (b, t, h):
+      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
+  if initial_state is not None and initial_state.shape != (b, h, kd):
+    raise ValueError(f"{where}: `initial_state` must be [B, H, K] = {(b, h, kd)}, got {initial_state.shape}")
+  if transform == "atq" and (q is None or q.shape != k.shape):
+    raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape} for 'atq', got "
+                     f"{None if q is None else q.shape}")
+  if transform == "pdn" and (center is None or jnp.shape(center) not in ((), (h,))):
+    raise ValueError(f"{where}: `center` must be a scalar or [H] = {(h,)} for 'pdn', got "
+                     f"{None if center is None else jnp.shape(center)}")
+  if not all(isinstance(v, numbers.Real) for v in (x, eps, lam)):
+    raise ValueError(f"{where}: `x`, `eps` and `lam` must be static numbers, got {x!r}, {eps!r}, {lam!r}")
+  if not (x > 0 and eps >= 0 and lam > 0):
+    raise ValueError(f"{where}: need x > 0, eps ≥ 0 and lam > 0, got x={x}, eps={eps}, lam={lam}")
+
+
+def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
+                initial_state=None, blocks: KeyBlocks | None = None, interpret: bool | None = None):
+  """PDN's write key M(A_t) ⊙ k_t ("pdn") or ATQ's query q_t / (A_t + λ) ("atq"), and A_T.
+
+  k [B, T, H, K] and q (atq) [B, T, H, K] (fp32 or bf16, read as is); beta, log_decay [B, T, H]; center (pdn)
+  scalar or [H]; x, eps (pdn) and lam (atq) static numbers; initial_state A_0 [B, H, K] (default 0). Computes
+  in fp32; log_decay is clamped at −30 like every log-decay of the solves. Returns (y [B, T, H, K] in k's
+  (pdn) / q's (atq) dtype, A_T [B, H, K] fp32), as `precond.pdn_write_key` / `precond.atq_query`.
+  Differentiable w.r.t. k, q, beta, log_decay, center and initial_state. blocks: launch parameters (None:
+  DEFAULT_BLOCKS compiled, INTERPRET_BLOCKS in interpret mode); interpret: None runs interpret mode on a CPU
+  backend.
+  """
+  _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
+  b, _, h, kd = k.shape
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  blocks = blocks or (INTERPRET_BLOCKS if interpret else DEFAULT_BLOCKS)
+  st = Static(transform, float(x), float(eps), float(lam), blocks, bool(interpret))
+  f32 = lambda a: jnp.asarray(a, F32)
+  A0 = jnp.zeros((b, h, kd), F32) if initial_state is None else f32(initial_state)
+  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
+  centre = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
+  return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, centre, st)
+
+
+def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
+  """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked; static
+  transform constants (spec.static_params, default True)."""
+  return (platform in ("gpu", "cpu")
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+          and not getattr(spec, "packed", False)
+          and getattr(spec, "static_params", True))
