@@ -207,8 +207,8 @@ class Channel:
     return list(lax.cond(self.factored_ok(range(n)), factored, pairwise))
 
   def scores(self, x_ref, y_ref, strict: bool, mm=None):
-    """{(a, b): P_ab [s, s]} for b ≤ a (diagonal pairwise; off-diagonal factored). `mm` None: fp32
-    operands (exact, for the Gram that builds T); else the off-diagonal operands are cast to mm."""
+    """{(a, b): P_ab [s, s]} for b ≤ a (diagonal: `diag_scores`; off-diagonal factored). `mm` None: fp32
+    operands (for the Gram that builds T); else the factored operands are cast to mm."""
     s, n = self.s, self.n
     P = dict(((a, a), p) for a, p in enumerate(self.diag_scores(x_ref, y_ref, strict, mm)))
     lo = (lambda z: z) if mm is None else (lambda z: z.astype(mm))
