@@ -190,7 +190,7 @@ def test_every_point_runs_and_matches_its_serial_composition(name):
       w = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
       return jnp.sum(o * w) + jnp.sum(jnp.sin(st["S"])), (o, st)
 
-    (_, out), grads = jax.value_and_grad(loss_and_out, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+    (_, out), grads = jax.jit(jax.value_and_grad(loss_and_out, argnums=(0, 1, 2, 3, 4), has_aux=True))(
         *cast((q, k, v, features, params)))
     return out, grads
 
@@ -251,7 +251,8 @@ def test_packed_points_equal_separate_segments(name):
       w = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
       return jnp.sum(o * w) + jnp.sum(jnp.sin(st["S"])) + jnp.sum(jnp.sin(st["precond"])), (o, st)
 
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(*cast((q, k, v, f, prm, s0)))
+    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))   # one compile
+    return grad_fn(*cast((q, k, v, f, prm, s0)))
 
   (_, (o, st)), grads = run("xla", jnp.float32)
   (_, (o_ref, st_ref)), grads_ref = run("naive", jnp.float64)
@@ -275,7 +276,7 @@ def test_no_gradient_crosses_a_segment_boundary():
     o, _ = point(q, k, v, f, prm, segment_ids=seg, chunk_size=16)
     return jnp.sum(o[0, 26:] ** 2)             # row 0's last segment only
 
-  dk, df = jax.grad(later_loss, argnums=(0, 1))(k, f)
+  dk, df = jax.jit(jax.grad(later_loss, argnums=(0, 1)))(k, f)
   assert float(jnp.max(jnp.abs(dk[0, :26]))) == 0.0 and float(jnp.max(jnp.abs(dk[1]))) == 0.0
   assert float(jnp.max(jnp.abs(dk[0, 26:]))) > 0.0
   for leaf in jax.tree.leaves(df):
