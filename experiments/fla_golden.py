@@ -10,8 +10,9 @@ error against each. tests/test_fla_golden.py checks our ops against these files 
   python3 -m experiments.fla_golden --out tests/data/fla [--ops chunk_kda,...] [--one-config]
 
 --one-config keeps only the first of each FLA kernel's autotuning configs (Triton then skips benchmarking).
-Block sizes change FLA's rounding only, far inside the bf16 tolerances the files are checked at, and it cuts
-the generation from tens of minutes of autotuning to the compile time. Never use it for timing FLA.
+Block sizes change only the order of FLA's fp32 accumulations, not the function; the files are checked at bf16
+tolerances. It cuts the generation from tens of minutes of autotuning to the compile time (not yet verified on
+the GPU: chunk_kda still took over 130 s). Never use it for timing FLA.
 """
 from __future__ import annotations
 

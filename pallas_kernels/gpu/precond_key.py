@@ -279,6 +279,7 @@ def _summaries(prep, st):
 
 def _carries(prep, st):
   """(A_in [B, NC, H, Kp]: the state entering every chunk, A_T [B, H, Kp]) by `decayed_sum` over chunks."""
+  # The unclamped `_scan`: chunk totals G_C may lie far below the −30 floor of per-token log-decays.
   A_end, A_T = decayed_sum._scan(_summaries(prep, st), None, prep.G_C, prep.A0, interpret=st.interpret)
   return jnp.concatenate([prep.A0[:, None], A_end[:, :-1]], axis=1), A_T
 
