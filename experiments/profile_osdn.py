@@ -64,39 +64,66 @@ def main():
   ap.add_argument("--shape", action="append", help="B,T,G,K (repeatable); default 4,4096,16,128 and "
                   "1,32768,8,128")
   ap.add_argument("--runs", type=int, default=10)
-  ap.add_argument("--blocks", default="", help="comma-separated FWD/BWD tokens per loop iteration to compare, "
-                  "e.g. 16/8,32/16 (default: the kernel's)")
+  ap.add_argument("--blocks", default="", help="comma-separated FWD/BWD[/SOLVE[/WARPS_SOLVE]] to compare: tokens "
+                  "per loop iteration forward and backward, tokens per forward block solve (0: token by token) "
+                  "and its warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
   ap.add_argument("--warps", type=int, default=None)
   ap.add_argument("--stages", type=int, default=1)
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
+  ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
+                  help="APF retention r (else r ≡ 1, vanilla OSDN)")
   ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
                   help="also time the token-serial lax.scan and compare values")
   a = ap.parse_args()
   shapes = a.shape or ["4,4096,16,128", "1,32768,8,128"]
   interpret = jax.default_backend() == "cpu"
   base = osdn.INTERPRET_BLOCKS if interpret else osdn.DEFAULT_BLOCKS
-  pairs = [tuple(map(int, p.split("/"))) for p in a.blocks.split(",") if p] or [(base.block_t, base.block_t_bwd)]
+  full = (base.block_t, base.block_t_bwd, base.solve_t, base.warps_solve)
+
+  def blocks_of(text):   # F/B[/S[/W]]: S sets the block solve with and without a retention
+    bf, bb, bs, ws = tuple(map(int, text.split("/"))) + full[len(text.split("/")):]
+    return text, osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, solve_t=bs, solve_t_apf=bs, solve_t_init=bs,
+                                  warps_solve=ws, num_warps=a.warps, num_stages=a.stages)
+  configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", base)]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
-        f"clip=[0, 8] warps={a.warps} stages={a.stages}", flush=True)
+        f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)
+    if not a.retention:
+      args = args[:3] + (None,) + args[4:]
     ref = None
     if a.scan:
       sf, sb = _fns("scan", None, kw)
       ref = jax.tree.leaves((sf(*args), sb(*args)))
       print(f"B,T,G,K={shape}: scan fwd {_ms(sf, *args, runs=a.runs):9.3f} ms  "
             f"scan fwd+bwd {_ms(sb, *args, runs=a.runs):9.3f} ms", flush=True)
-    for bf, bb in pairs:
-      blocks = osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, num_warps=a.warps, num_stages=a.stages)
+    for label, blocks in configs:
       kf, kb = _fns("kernel", blocks, kw)
-      line = (f"B,T,G,K={shape} block_t={bf}/{bb}: kernel fwd {_ms(kf, *args, runs=a.runs):9.3f} ms  "
+      line = (f"B,T,G,K={shape} blocks={label}: kernel fwd {_ms(kf, *args, runs=a.runs):9.3f} ms  "
               f"kernel fwd+bwd {_ms(kb, *args, runs=a.runs):9.3f} ms")
+      tables = _tables_fn(blocks, args, kw)
+      if tables is not None:
+        line += f"  (of which forward tables {_ms(tables, *args, runs=a.runs):.3f} ms)"
       if ref is not None:
         err = max(rel_rms(x, y) for x, y in zip(jax.tree.leaves((kf(*args), kb(*args))), ref))
         line += f"  max rel-rms diff vs scan {err:.2e}"
       print(line, flush=True)
+
+
+def _tables_fn(blocks, args, kw):
+  """The block solves' plain-JAX tables of the forward alone, jitted (None when the kernel runs token by
+  token), to split the d-pass's time between them and the sequential kernel."""
+  u, n, beta, r, d1, d0 = args
+  b, t, g, kd = u.shape
+  mode = "none" if r is None else kw["anchor"]
+  st = osdn.Static(batch=b, length=t, heads=g, key_dim=osdn.padded_dim(kd), channels=kd, eta=kw["eta"],
+                   d_min=kw["d_min"], d_max=kw["d_max"], mode=mode, blocks=blocks, interpret=False)
+  if not osdn._blocked(st):
+    return None
+  o = d0 if mode == "init" else None
+  return jax.jit(lambda u, n, beta, r, d1, d0: osdn._tables(st, u, n, beta, r, o))
 
 
 if __name__ == "__main__":

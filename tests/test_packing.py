@@ -224,7 +224,8 @@ def test_pallas_packed_equals_each_segment_alone(decay):
 
 def test_packed_row_lanes_partition_the_chunks():
   """The lanes of the packed state passes: segment n's lane starts at its first chunk, lanes tile [0, NC) in
-  order (absent segments: empty lanes; the last lane also takes the trailing padding chunks)."""
+  order (absent segments: empty lanes; the last lane also takes the trailing padding chunks); token positions
+  strictly increase."""
   from pallas_kernels.gpu import packed
   ids = segment_ids([[30, 1, 29, 40], [2, 98]])
   n, c = packing.num_segments(ids) + 2, 16
@@ -237,6 +238,7 @@ def test_packed_row_lanes_partition_the_chunks():
   np.testing.assert_array_equal(codes[first] >> 2, np.flatnonzero(np.asarray(present)))
   assert np.all(np.diff(lanes)[:-1][~np.asarray(present)[:-1]] == 0)
   assert np.all(np.asarray(pos) // c >= lanes[np.asarray(packing.segment_index(ids)).reshape(-1)])
+  assert np.all(np.diff(np.asarray(pos)) > 0)      # sorted and unique: what to_row / from_row promise XLA
 
 
 def test_pallas_packed_traced_ids_and_spare_segments():

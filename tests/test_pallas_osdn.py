@@ -6,6 +6,7 @@ end to end through `osdn_write_key(method="pallas")`; dispatch; and lowering to 
 Interpret mode is slow: small shapes (B = 2, T ≈ 70, G ≤ 4, K ≤ 24), each case combining several features.
 """
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import types
@@ -139,6 +140,75 @@ def test_block_boundaries(T, K, block_t):
   _assert_close(got, want, names)
 
 
+def _block_inputs(seed, T=64, K=16):
+  """One head with small gains (d moves slowly, inside [0, 2]) except tokens 20–27, whose keys point at
+  channel 3 with a larger gain: it climbs to d_max = 2 within block 1 and stays there (the clip acts at every
+  later token). The clip leaves block 0 alone and acts in blocks 1–3."""
+  rng = np.random.default_rng(seed)
+  k = np.abs(rng.normal(size=(1, T, 1, K))) + 0.1
+  k[:, 20:28, :, 3] = 10.0
+  k = _unit(k)
+  beta = np.full((1, T, 1), 0.05)
+  beta[:, 20:28] = 0.3
+  f = lambda x: jnp.asarray(x, F32)
+  u = f(k * k)
+  return dict(u=u, n=jnp.sum(u, -1), beta=f(beta), r=f(np.ones((1, T, 1))), d1=f(np.ones((1, 1, K))),
+              d0=f(np.ones((1, K))))
+
+
+def test_block_solve_hypothesis():
+  """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with `_tables`) accept a block where
+  the clip never acts, with the forward values of the token-serial scan, and reject the blocks where it does
+  (the kernels then run them token by token); the kernel over all blocks matches the scan in values and
+  gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
+  a, L, eta, hi = _block_inputs(0), 16, 1.0, 2.0
+  st = osdn.Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
+                   blocks=osdn.INTERPRET_BLOCKS, interpret=True)
+  ds, _ = precond._osdn_serial(a["u"], a["n"], a["beta"], None, a["d1"], a["d0"], eta=eta, d_min=0.0, d_max=hi,
+                               anchor="zero", implementation="scan")
+  tf, wf, tb, inv_b, gamma = osdn._tables(st, a["u"], a["n"], a["beta"], None, None)
+  g = jnp.asarray(np.random.default_rng(1).normal(size=ds.shape), F32)
+  wb = osdn._adjoint_rhs(st, a["u"], g, inv_b, gamma)
+  fwd_ok, bwd_ok = [], []
+  for i in range(4):
+    sl = slice(i * L, (i + 1) * L)
+    u, b, n = a["u"][0, sl, 0], a["beta"][0, sl, 0], a["n"][0, sl, 0]
+    D, d_next, ok = osdn._block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0], None)
+    fwd_ok.append(bool(ok))
+    if ok:
+      np.testing.assert_allclose(D, ds[0, sl, 0], rtol=2e-6, atol=2e-6)
+      np.testing.assert_allclose(d_next, ds[0, (i + 1) * L, 0], rtol=2e-6, atol=2e-6)
+    bwd_ok.append(bool(osdn._block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
+                                           tb[0, i, 0], wb[0, i, 0], None)[-1]))
+  assert fwd_ok == bwd_ok == [True, False, False, False], (fwd_ok, bwd_ok)
+  assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
+  got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
+  _assert_close(got, want, names)
+  # Padded channels (K = 12 → 16: u = 0, d = 0 = d_min, so d̄ = 0 at the bound) do not fail the checks.
+  pad = lambda x: jnp.pad(x[..., :12], [(0, 0)] * (x.ndim - 1) + [(0, 4)])
+  st12 = osdn.Static(batch=1, length=64, heads=1, key_dim=16, channels=12, eta=eta, d_min=0.0, d_max=hi,
+                     mode="none", blocks=osdn.INTERPRET_BLOCKS, interpret=True)
+  u12 = pad(a["u"]) / jnp.sum(pad(a["u"]), -1, keepdims=True)
+  n12 = jnp.sum(u12, -1)
+  tf, wf, tb, inv_b, gamma = osdn._tables(st12, u12, n12, a["beta"], None, None)
+  wb = osdn._adjoint_rhs(st12, u12, pad(g), inv_b, gamma)
+  d12 = pad(a["d1"])[0, 0]
+  sl = slice(0, L)
+  assert osdn._block_solve(st12, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tf[0, 0, 0],
+                           wf[0, 0, 0], None)[-1]
+  assert osdn._block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
+                             a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0],
+                             None)[-1]
+  assert not osdn._block_adjoint(dataclasses.replace(st12, channels=0), u12[0, sl, 0],
+                                 jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0], a["beta"][0, sl, 0],
+                                 n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0], None)[-1]
+  a = _inputs(11, T=48, G=2, K=16)
+  a["r"] = a["r"].at[:, 5::7].set(0.0).at[:, 3::7].set(1.0)
+  for anchor in ("zero", "init"):
+    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, anchor=anchor)
+    _assert_close(got, want, names)
+
+
 def test_chaining():
   """Two calls through d_{T+1} equal one call."""
   a = _inputs(3, T=40, G=2, K=16)
@@ -219,11 +289,12 @@ def test_dispatch():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("init", True, False),
-                                                     ("init", True, True)])
+@pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("zero", True, False),
+                                                     ("init", True, False), ("init", True, True)])
 def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
-  """Forward and backward (default GPU blocks, K = 128, T with a tail; packed: traced segment ids, per-segment
-  d1 and last d) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
+  """Forward and backward (default GPU blocks: block solves for r ≡ 1 and anchor "zero", token by token for
+  "init"; K = 128, T with a tail; packed: traced segment ids, per-segment d1 and last d) lower with the
+  Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
   sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)

@@ -10,8 +10,8 @@ Forward kernel, grid (B, G), one program per (batch, head): ⟨d, u⟩ couples a
 lives in one program's registers (one warp up to K = 128). A `fori_loop` over blocks of `block_t` tokens whose
 body is unrolled and issues all the block's loads (independent of d) before its first step, so one memory
 latency is paid per block, not per token; the T mod block_t tokens left over are unrolled after the loop, so
-T needs no padding and no token past T is ever processed (d_{T+1} is exact for both anchors). Per token: one row load of u, scalar loads
-of β, n, r, one K-reduction, a row store of d_t.
+T needs no padding and no token past T is ever processed (d_{T+1} is exact for both anchors). Per token: one
+row load of u, scalar loads of β, n, r, one K-reduction, a row store of d_t.
 
 Backward kernel, same grid, the adjoint in reverse token order. With λ the cotangent of d_{t+1} (d_{T+1}'s
 cotangent to start), m_t the clip's derivative at d̄_{t+1} (1 inside, 0 outside, ½ at a bound, exactly as
@@ -21,6 +21,15 @@ cotangent to start), m_t the clip's derivative at d̄_{t+1} (1 inside, 0 outside
     λ ← r_t μ − c_t p u_t + ∂ds_t                 (∂d_1 = λ after token 1)
 The forward saves d_t (its output ds), so s_t and d̄_{t+1} are recomputed per token off the dependency chain;
 the chain itself is one K-reduction per token.
+
+Block solves (unpacked; `DPassBlocks.solve_t*` tokens per block, per mode): where the clip does not act inside
+a block, the block is the unclipped rank-one recurrence, and its L × L unit triangular systems depend on the
+inputs only. `_tables` forms their inverses for every block at once in plain JAX (batched triangular solves;
+Γ of the retentions as masked sums of log r); the kernels then run one block per step with two reductions
+over K, one [L, L] × [L, K] product and a check (`_block_solve`: every d̄_{t+1} inside the bounds;
+`_block_adjoint`: the clip's derivative 1 throughout). A block that fails its check
+runs token by token as above (`lax.cond`), so results are those of the token-serial recurrence, with block
+rounding, whatever the gates.
 
 Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first
 token and d_{T+1} of the segment is stored at its last; in reverse, λ restarts from the segment's d_{T+1}
@@ -42,7 +51,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from osdn_jax.ops import packing
+from pallas_kernels.gpu.chunk_math import dot, iota, last_row
 from pallas_kernels.gpu.config import padded_dim, pallas_call
+from pallas_kernels.gpu.intra import decay_factor
 
 F32 = jnp.float32
 MAX_KEY_DIM = 256                        # d [K] stays in registers
@@ -60,29 +71,49 @@ class DPassBlocks:
   block_t:    tokens per iteration of the forward's sequential loop (the loop body is unrolled over them and
               issues all their loads first: registers grow with it).
   block_t_bwd: the same for the backward (three K-rows per token are held: smaller).
+  solve_t:    tokens per block solve (`_block_solve`, `_block_adjoint`) with r ≡ 1; 0: token by token only.
+  solve_t_apf: the same with an APF retention r, anchor "zero".
+  solve_t_init: the same with an APF retention r, anchor "init".
   num_warps:  Triton warps per program; None: 1 for K ≤ 128 (the K-reductions stay within a warp), else 2.
+  warps_solve: Triton warps of the forward when it runs block solves ([solve_t, K] tiles).
   num_stages: Triton num_stages.
   """
   block_t: int = 16       # H200, B=4 T=4096 G=16 K=128 (profile_osdn): 16/8 ran fwd 1.16 ms, fwd+bwd 3.00 ms;
   block_t_bwd: int = 8     # 32/16 1.48 / 3.89; 64/32 1.48 / 4.13
+  # H200, B=4 T=4096 G=16 K=128 (profile_osdn, fwd / fwd+bwd ms; token by token → block solve), r ≡ 1:
+  # 1.469 / 3.130 → 1.230 / 2.776 at 16, 1.177 / 2.569 at 32; anchor "zero": 1.536 / 3.330 → 1.493 / 3.082 at
+  # 16; anchor "init": 1.230 / 2.925 → 1.427 / 3.204 at 16, 1.747 / 3.421 at 32 (slower: off).
+  solve_t: int = 32
+  solve_t_apf: int = 16
+  solve_t_init: int = 0
   num_warps: int | None = None
+  warps_solve: int = 4
   num_stages: int = 1
 
   def __post_init__(self):
     for name in ("block_t", "block_t_bwd"):
       if not _pow2(getattr(self, name)):
         raise ValueError(f"DPassBlocks.{name}={getattr(self, name)} must be a power of two")
-    if self.num_warps is not None and not _pow2(self.num_warps):
-      raise ValueError(f"DPassBlocks.num_warps={self.num_warps} must be a power of two")
+    for name in ("solve_t", "solve_t_apf", "solve_t_init"):
+      v = getattr(self, name)
+      if v and (not _pow2(v) or v < 16):
+        raise ValueError(f"DPassBlocks.{name}={v} must be 0 or a power of two ≥ 16")
+    for name in ("num_warps", "warps_solve"):
+      if getattr(self, name) is not None and not _pow2(getattr(self, name)):
+        raise ValueError(f"DPassBlocks.{name}={getattr(self, name)} must be a power of two")
     if self.num_stages < 1:
       raise ValueError(f"DPassBlocks.num_stages={self.num_stages} must be ≥ 1")
 
   def warps(self, key_dim: int) -> int:
     return self.num_warps or (1 if key_dim <= 128 else 2)
 
+  def solve_warps(self, key_dim: int, blocked: bool) -> int:
+    return self.warps_solve if blocked else self.warps(key_dim)
+
 
 DEFAULT_BLOCKS = DPassBlocks()
-INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4)   # interpret mode: unrolling only costs compile time there
+INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16,  # interpret mode: unrolling
+                               solve_t_init=16)                                      # costs compile time only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +130,7 @@ class Static:
   blocks: DPassBlocks
   interpret: bool
   segments: int = 0        # packed: N (per-token codes reset d; d1 and d_{T+1} are per segment); 0: not
+  channels: int = 0        # K before padding (0: key_dim); padded channels (u = 0, d = 0) skip the checks
 
   @property
   def has_r(self) -> bool:
@@ -107,6 +139,16 @@ class Static:
   @property
   def has_o(self) -> bool:
     return self.mode == "init"
+
+  def real(self, shape):
+    """[.., K] mask of the channels that are not padding (None: no padding)."""
+    if not self.channels or self.channels == self.key_dim:
+      return None
+    return iota(shape, len(shape) - 1) < self.channels
+
+  @property
+  def solve_t(self) -> int:
+    return {"none": self.blocks.solve_t, "zero": self.blocks.solve_t_apf, "init": self.blocks.solve_t_init}[self.mode]
 
 
 # BlockSpecs over the grid (b, g): whole sequences of one (batch, head).
@@ -150,19 +192,22 @@ def _split(refs, *present):
   return out
 
 
+def _run_tokens(load, step, ts, c, reverse: bool = False):
+  """c ← step(t, load(t), c) over the tokens ts (unrolled; in reverse order when reverse), all loads first."""
+  ts = list(reversed(ts)) if reverse else list(ts)
+  xs = [load(t) for t in ts]
+  for t, x in zip(ts, xs):
+    c = step(t, x, c)
+  return c
+
+
 def _sequential(st, load, step, carry, reverse: bool, block_t: int):
   """Runs carry ← step(t, load(t), carry) for t = 0 … T−1 (or T−1 … 0): a fori_loop over blocks of block_t
   tokens, the last T mod block_t tokens on their own. Each block first issues every load of its tokens, then
   runs the unrolled steps: loads written after the previous token's stores could not be moved above them
   (the refs may alias), so a per-token load would put one memory latency on the dependency chain per token."""
   nf, rem = divmod(st.length, block_t)
-
-  def run(ts, c):
-    ts = list(reversed(ts)) if reverse else ts
-    xs = [load(t) for t in ts]
-    for t, x in zip(ts, xs):
-      c = step(t, x, c)
-    return c
+  run = lambda ts, c: _run_tokens(load, step, ts, c, reverse)
 
   def block(i, c):
     return run([i * block_t + j for j in range(block_t)], c)
@@ -212,13 +257,170 @@ def _clip_grad(st, x):
   return m
 
 
+def _blocked(st) -> bool:
+  """The forward runs speculative block solves (not packed, at least one whole block)."""
+  return bool(st.solve_t) and not st.segments and st.length >= st.solve_t
+
+
+def _sequential_tokens(st, load, step, start, count: int, block_t: int, c, reverse: bool = False):
+  """step over tokens start … start + count − 1 (count static; in reverse order when reverse), in unrolled
+  groups of ≤ block_t tokens."""
+  groups = [[start + j for j in range(g0, min(count, g0 + block_t))] for g0 in range(0, count, block_t)]
+  for ts in (reversed(groups) if reverse else groups):
+    c = _run_tokens(load, step, ts, c, reverse)
+  return c
+
+
+def _log_retention(r):
+  """log r, clamped at log 1e-30: a zero retention forgets to e^{−69} of d instead of 0."""
+  return jnp.log(jnp.maximum(r, 1e-30))
+
+
+def _through(r, L: int):
+  """(P, Q) [L] for a block's retentions r [L]: P_t = Π_{i<t} r_i, Q_t = Π_{t<i<L} r_i. Each is exp of a
+  masked sum of log r (never a difference of cumulative sums, which would lose the small products next to a
+  zero retention)."""
+  la = _log_retention(r)[None, :]
+  rows, cols = iota((L, L), 0), iota((L, L), 1)
+  return (jnp.exp(jnp.sum(jnp.where(cols < rows, la, 0.0), axis=1)),
+          jnp.exp(jnp.sum(jnp.where(cols > rows, la, 0.0), axis=1)))
+
+
+def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
+  """L tokens of the forward at once, when the clip does not change any d̄_{t+1} of the block (checked: ok;
+  else the block runs token by token).
+
+  Without the clip the block is the rank-one recurrence δ_{t+1} = a_t δ_t + coef_t u_t (δ = d − o, a = r or 1,
+  o = d_init for "init", else 0) with coef_t = α_t − c_t s_t, α = η β / n, c = η β² / n, and
+  s_t = ⟨d_t, u_t⟩ = ⟨o, u_t⟩ + P_t ⟨δ_0, u_t⟩ + Σ_{j<t} M_tj coef_j (P_t = Π_{i<t} a_i, M = Γ ⊙ U Uᵀ,
+  Γ_tj = Π_{j<i<t} a_i): (I + M diag(c)) s = U o + M α + P ⊙ U δ_0. The inverse of that unit lower
+  triangular matrix depends on the inputs only, so `_tables` forms it for every block in parallel:
+  tf = (I + M diag(c))⁻¹ diag(P) and wf = (I + M diag(c))⁻¹ (U o + M α). Here: s = tf U δ_0 + wf and
+  D = (d_t)_t = o + P ⊗ δ_0 + (Γ diag(coef)) U, then every d̄_{t+1} = o + a_t (d_t − o) + coef_t u_t is checked
+  inside [d_min, d_max] (NaN fails; padded channels are not checked). Returns (D [L, K], d_L [K], ok).
+
+  u [L, K], b, n, r [L] (r None: a ≡ 1), o [K] or None, d [K], tf [L, L], wf [L], gamma [L, L] or None (r None).
+  """
+  L, K = u.shape
+  lo = -jnp.inf if st.d_min is None else st.d_min
+  hi = jnp.inf if st.d_max is None else st.d_max
+  anchor = jnp.zeros_like(d) if o is None else o
+  delta0 = d - anchor
+  if r is None:
+    gamma = decay_factor(None, L, strict=True)
+  s = jnp.sum(tf * jnp.sum(u * delta0[None, :], axis=1)[None, :], axis=1) + wf
+  coef = st.eta * b * (1.0 - b * s) / n
+  prop = delta0[None, :] if r is None else _through(r, L)[0][:, None] * delta0[None, :]
+  D = anchor[None, :] + prop + dot(gamma * coef[None, :], u)
+  keep = D if r is None else anchor[None, :] + r[:, None] * (D - anchor[None, :])
+  d_bar = keep + coef[:, None] * u
+  inside = (d_bar >= lo) & (d_bar <= hi)
+  real = st.real(inside.shape)
+  bad = jnp.sum(jnp.where(inside if real is None else inside | ~real, 0.0, 1.0))
+  return D, _clip(st, last_row(d_bar)), bad == 0.0
+
+
+def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
+  """L tokens of the backward at once, when the clip's derivative is 1 for every channel and token of the
+  block (every d̄_{t+1} strictly inside the bounds, padded channels aside: checked, ok; else the block runs
+  token by token). The
+  forward saved the d_t, so d̄_{t+1} is known for every token at once.
+
+  Then the adjoint λ_t = a_t λ_{t+1} − c_t p_t u_t + g_t (λ_t the cotangent of d_t, g_t that of output row t,
+  p_t = ⟨u_t, λ_{t+1}⟩) is the rank-one recurrence in reverse: (I + Mᵀ diag(c)) p = Q ⊙ U λ_L + (Γᵀ ⊙ U Gᵀ) 1
+  (Q_t = Π_{t<i<L} a_i), with tb = (I + Mᵀ diag(c))⁻¹ diag(Q) and wb = (I + Mᵀ diag(c))⁻¹ (Γᵀ ⊙ U Gᵀ) 1 from
+  `_tables` / `_adjoint_rhs`, and Λ = (λ_{t+1})_t = Q ⊗ λ_L + Γᵀ (G − (c ⊙ p) ⊗ U) is one [L, L] × [L, K]
+  product. Returns the kernel's per-token gradients (du [L, K], dβ, dn [L], dr [L] or None), the block's
+  share of d_init's gradient ([K] or None), λ_0 [K] and ok.
+
+  u, d, g [L, K] (d: the d_t the forward saved), b, n, r [L] (r None: a ≡ 1), o [K] or None, lam [K] (λ_L),
+  tb [L, L], wb [L], gamma [L, L] or None (r None).
+  """
+  L, K = u.shape
+  anchor = jnp.zeros_like(lam) if o is None else o
+  s = jnp.sum(d * u, axis=1)
+  coef = st.eta * b * (1.0 - b * s) / n
+  c = st.eta * b * b / n
+  keep = d if r is None else anchor[None, :] + r[:, None] * (d - anchor[None, :])
+  mask = _clip_grad(st, keep + coef[:, None] * u)
+  if mask is None:
+    ok = True
+  else:
+    real = st.real(mask.shape)
+    ok = jnp.sum(jnp.where((mask == 1.0) if real is None else (mask == 1.0) | ~real, 0.0, 1.0)) == 0.0
+  if r is None:
+    gamma = decay_factor(None, L, strict=True)
+  p = jnp.sum(tb * jnp.sum(u * lam[None, :], axis=1)[None, :], axis=1) + wb
+  cp = c * p
+  prop = lam[None, :] if r is None else _through(r, L)[1][:, None] * lam[None, :]
+  mu = prop + dot(gamma.T, g - cp[:, None] * u)                       # rows λ_{t+1}
+  du = coef[:, None] * mu - cp[:, None] * d
+  dbeta = st.eta * p * (1.0 - 2.0 * b * s) / n
+  dn = -coef * p / n
+  dr = None if r is None else jnp.sum((d - anchor[None, :]) * mu, axis=1)
+  d_o = None if not st.has_o else jnp.sum((1.0 - r)[:, None] * mu, axis=0)
+  lam_t = (mu if r is None else r[:, None] * mu) - cp[:, None] * u + g
+  lam0 = jnp.sum(jnp.where(iota((L, K), 0) == 0, lam_t, 0.0), axis=0)
+  return du, dbeta, dn, dr, d_o, lam0, ok
+
+
+def _blocks_view(st, x):
+  """[B, T, G, ...] → [B, NB, G, L, ...]: the first NB·L tokens as blocks of L = solve_t."""
+  L = st.solve_t
+  nb = st.length // L
+  x = x[:, :nb * L].reshape((x.shape[0], nb, L) + x.shape[2:])
+  return jnp.moveaxis(x, 2, 3)
+
+
+def _tables(st, u, n, beta, r, o):
+  """Per block of L tokens (plain JAX, all blocks in parallel; [B, NB, G, L, L] and [B, NB, G, L]): the
+  forward's tf, wf and the backward's tb (see `_block_solve`, `_block_adjoint`), and M."""
+  hi = lax.Precision.HIGHEST
+  U = _blocks_view(st, u)
+  b, nn = _blocks_view(st, beta), _blocks_view(st, n)
+  L = U.shape[-2]
+  ar = jnp.arange(L)
+  strict = ar[:, None] > ar[None, :]
+  if r is None:
+    gamma, P, Q = jnp.where(strict, 1.0, 0.0).astype(F32), None, None
+  else:      # masked sums of log r (no differences of cumulative sums: see `_through`)
+    la = _log_retention(_blocks_view(st, r))
+    window = (ar[None, :, None] < ar[:, None, None]) & (ar[:, None, None] > ar[None, None, :]) & \
+        (ar[None, None, :] > ar[None, :, None])                     # [t, j, i]: j < i < t
+    gamma = jnp.where(strict, jnp.exp(jnp.einsum("tji,...i->...tj", window.astype(F32), la, precision=hi)), 0.0)
+    P = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] < ar[:, None]).astype(F32), la, precision=hi))
+    Q = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] > ar[:, None]).astype(F32), la, precision=hi))
+  alpha, c = st.eta * b / nn, st.eta * b * b / nn
+  M = gamma * jnp.einsum("...tk,...jk->...tj", U, U, precision=hi)
+  eye = jnp.eye(L, dtype=F32)
+  inv_f = lax.linalg.triangular_solve(eye + M * c[..., None, :], jnp.broadcast_to(eye, M.shape), left_side=True,
+                                      lower=True, unit_diagonal=True)
+  inv_b = lax.linalg.triangular_solve(eye + jnp.swapaxes(M, -1, -2) * c[..., None, :],
+                                      jnp.broadcast_to(eye, M.shape), left_side=True, lower=False,
+                                      unit_diagonal=True)
+  rhs = jnp.einsum("...tj,...j->...t", M, alpha, precision=hi)
+  if o is not None:
+    rhs = rhs + jnp.einsum("bngtk,gk->bngt", U, o, precision=hi)
+  wf = jnp.einsum("...tj,...j->...t", inv_f, rhs, precision=hi)
+  tf = inv_f if P is None else inv_f * P[..., None, :]
+  tb = inv_b if Q is None else inv_b * Q[..., None, :]
+  return tf, wf, tb, inv_b, gamma
+
+
+def _adjoint_rhs(st, u, g_ds, inv_b, gamma):
+  """wb [B, NB, G, L] = (I + Mᵀ diag(c))⁻¹ (Γᵀ ⊙ U Gᵀ) 1 (plain JAX, all blocks in parallel)."""
+  hi = lax.Precision.HIGHEST
+  ug = jnp.einsum("...tk,...jk->...tj", _blocks_view(st, u), _blocks_view(st, g_ds), precision=hi)
+  return jnp.einsum("...tj,...j->...t", inv_b, jnp.sum(jnp.swapaxes(gamma, -1, -2) * ug, axis=-1), precision=hi)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Forward: ds [B, T, G, K] (the d each token writes with), d_{T+1} [B, G, K].
 # ---------------------------------------------------------------------------------------------------------
 def _fwd_kernel(st, *refs):
-  packed = st.segments > 0
-  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, ds_ref, dl_ref = _split(
-      refs, True, True, True, st.has_r, packed, True, st.has_o, True, True)
+  packed, blocked = st.segments > 0, _blocked(st)
+  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, tf_ref, wf_ref, gm_ref, ds_ref, dl_ref = _split(
+      refs, True, True, True, st.has_r, packed, True, st.has_o, blocked, blocked, blocked and st.has_r, True, True)
   o = o_ref[...] if st.has_o else None
 
   def load(t):
@@ -241,25 +443,56 @@ def _fwd_kernel(st, *refs):
     return d_next
 
   bt = st.blocks.block_t
+  d1 = None if packed else d1_ref[...].astype(F32)
   if packed:
     _sequential(st, load, step, jnp.zeros((st.key_dim,), F32), False, bt)
+  elif blocked:
+    L = st.solve_t
+    nb, rem = divmod(st.length, L)
+
+    def block(i, d):
+      start = i * L
+      rows = pl.ds(start, L)
+      D, d_next, ok = _block_solve(st, u_ref[rows, :], b_ref[rows], n_ref[rows],
+                                   r_ref[rows] if st.has_r else None, o, d, tf_ref[i, :, :], wf_ref[i, :],
+                                   gm_ref[i, :, :] if st.has_r else None)
+
+      def accept():
+        ds_ref[pl.ds(start, L), :] = D
+        return d_next
+      serial = lambda: _sequential_tokens(st, load, step, start, L, bt, d)
+      return lax.cond(ok, accept, serial)
+
+    d = lax.fori_loop(jnp.int32(0), jnp.int32(nb), block, d1)
+    dl_ref[...] = _sequential_tokens(st, load, step, nb * L, rem, bt, d)
   else:
-    dl_ref[...] = _sequential(st, load, step, d1_ref[...].astype(F32), False, bt)
+    dl_ref[...] = _sequential(st, load, step, d1, False, bt)
+
+
+def _table_specs(st):  # [B, NB, G, L, L] → [NB, L, L] and [B, NB, G, L] → [NB, L]: (t, w[, Γ])
+  nb, L = st.length // st.solve_t, st.solve_t
+  square = pl.BlockSpec((_SQ, nb, _SQ, L, L), lambda b, g: (b, 0, g, 0, 0))
+  return [square, pl.BlockSpec((_SQ, nb, _SQ, L), lambda b, g: (b, 0, g, 0))] + ([square] if st.has_r else [])
 
 
 def _forward(st, u, n, beta, r, codes, d1, o):
   packed = st.segments > 0
+  tables = []
+  if _blocked(st):
+    tf, wf, _, _, gamma = _tables(st, u, n, beta, r, o)
+    tables = [tf, wf] + ([gamma] if st.has_r else [])
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
-      ([o] if st.has_o else [])
+      ([o] if st.has_o else []) + tables
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
-      ([_codes(st)] if packed else []) + [_head_vec(st)] + ([_param_vec(st)] if st.has_o else [])
+      ([_codes(st)] if packed else []) + [_head_vec(st)] + ([_param_vec(st)] if st.has_o else []) + \
+      (_table_specs(st) if tables else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   return pallas_call(
       functools.partial(_fwd_kernel, st), grid=(b, g), in_specs=in_specs,
       out_specs=[_rows(st), _head_vec(st)],
       out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
                  jax.ShapeDtypeStruct((st.segments or b, g, k), F32)],
-      interpret=st.interpret, num_warps=st.blocks.warps(k), num_stages=st.blocks.num_stages,
+      interpret=st.interpret, num_warps=st.blocks.solve_warps(k, _blocked(st)), num_stages=st.blocks.num_stages,
       name="osdn_d_pass_fwd")(*args)
 
 
@@ -267,11 +500,11 @@ def _forward(st, u, n, beta, r, codes, d1, o):
 # Backward: the adjoint pass in reverse token order.
 # ---------------------------------------------------------------------------------------------------------
 def _bwd_kernel(st, *refs):
-  packed = st.segments > 0
-  (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref,
+  packed, blocked = st.segments > 0, _blocked(st)
+  (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref, tb_ref, wb_ref, gm_ref,
    du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref) = _split(
-       refs, True, True, True, st.has_r, packed, st.has_o, True, True, True,
-       True, True, True, st.has_r, True, st.has_o)
+       refs, True, True, True, st.has_r, packed, st.has_o, True, True, True, blocked, blocked,
+       blocked and st.has_r, True, True, True, st.has_r, True, st.has_o)
   o = o_ref[...] if st.has_o else None
 
   def load(t):
@@ -309,7 +542,34 @@ def _bwd_kernel(st, *refs):
     return lam_prev, acc_o
 
   lam0 = jnp.zeros((st.key_dim,), F32) if packed else gl_ref[...].astype(F32)
-  lam, acc_o = _sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, st.blocks.block_t_bwd)
+  bt = st.blocks.block_t_bwd
+  if blocked:
+    L = st.solve_t
+    nb, rem = divmod(st.length, L)
+
+    def block(i, carry):
+      blk = nb - 1 - i
+      start = blk * L
+      rows = pl.ds(start, L)
+      du, db, dn, dr, d_o, lam_prev, ok = _block_adjoint(
+          st, u_ref[rows, :], ds_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows],
+          r_ref[rows] if st.has_r else None, o, carry[0], tb_ref[blk, :, :], wb_ref[blk, :],
+          gm_ref[blk, :, :] if st.has_r else None)
+
+      def accept():
+        du_ref[rows, :] = du
+        db_ref[rows] = db
+        dn_ref[rows] = dn
+        if st.has_r:
+          dr_ref[rows] = dr
+        return lam_prev, carry[1] + d_o if st.has_o else carry[1]
+      serial = lambda: _sequential_tokens(st, load, step, start, L, bt, carry, reverse=True)
+      return lax.cond(ok, accept, serial)
+
+    carry = _sequential_tokens(st, load, step, nb * L, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
+    lam, acc_o = lax.fori_loop(jnp.int32(0), jnp.int32(nb), block, carry)
+  else:
+    lam, acc_o = _sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, bt)
   if not packed:
     dd1_ref[...] = lam
   if st.has_o:
@@ -318,11 +578,15 @@ def _bwd_kernel(st, *refs):
 
 def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
   packed = st.segments > 0
+  tables = []
+  if _blocked(st):
+    _, _, tb, inv_b, gamma = _tables(st, u, n, beta, r, o)
+    tables = [tb, _adjoint_rhs(st, u, g_ds, inv_b, gamma)] + ([gamma] if st.has_r else [])
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
-      ([o] if st.has_o else []) + [ds, g_ds, g_last]
+      ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
       ([_codes(st)] if packed else []) + ([_param_vec(st)] if st.has_o else []) + \
-      [_rows(st), _rows(st), _head_vec(st)]
+      [_rows(st), _rows(st), _head_vec(st)] + (_table_specs(st) if tables else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   rows, scal, vec = (jax.ShapeDtypeStruct(s, F32) for s in ((b, t, g, k), (b, t, g), (st.segments or b, g, k)))
   # dO per (batch, head) program: [B, G, K] even when packed (summed over B by the caller).
@@ -332,7 +596,7 @@ def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
       ([jax.ShapeDtypeStruct((b, g, k), F32)] if st.has_o else [])
   outs = pallas_call(
       functools.partial(_bwd_kernel, st), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps(k),
+      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.solve_warps(k, _blocked(st)),
       num_stages=st.blocks.num_stages, name="osdn_d_pass_bwd")(*args)
   du, dbeta, dn, dr, dd1, do = _split_outs(st, outs)
   return du, dn, dbeta, dr, dd1, None if do is None else jnp.sum(do, axis=0)
@@ -390,7 +654,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, blo
   b, t, g, kd = u.shape
   kp = padded_dim(kd)
   count = d1.shape[0] if segment_ids is not None else 0
-  st = Static(batch=b, length=t, heads=g, key_dim=kp, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
+  st = Static(batch=b, length=t, heads=g, key_dim=kp, channels=kd, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
               blocks=blocks, interpret=interpret, segments=count)
   f32 = lambda x: None if x is None else jnp.asarray(x, F32)
   # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.

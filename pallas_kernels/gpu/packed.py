@@ -45,13 +45,18 @@ def chunk_aligned(segment_ids, num_segments: int, chunk: int):
   return pos, jnp.concatenate([codes, lanes]), lens > 0
 
 
+# pos is strictly increasing (segments in row-major order, each at a later chunk), so both moves are told
+# their indices are sorted and unique: XLA's GPU scatter then needs no atomics (for bf16 rows a compare-and-swap
+# loop per element otherwise), and the gather's transpose (a scatter-add) inherits the same promise.
 def to_row(x, pos, length: int):
   """[B, T, ...] → [1, L, ...]: token i of the flattened batch at pos[i], zeros elsewhere."""
   flat = x.reshape((-1,) + x.shape[2:])
-  row = jnp.zeros((length,) + x.shape[2:], x.dtype).at[pos].set(flat, mode="drop")
+  row = jnp.zeros((length,) + x.shape[2:], x.dtype).at[pos].set(flat, mode="drop", indices_are_sorted=True,
+                                                                 unique_indices=True)
   return row[None]
 
 
 def from_row(y, pos, b: int, t: int):
   """[1, L, ...] → [B, T, ...], the inverse gather of `to_row`."""
-  return y[0].at[pos].get(mode="fill", fill_value=0).reshape((b, t) + y.shape[2:])
+  return y[0].at[pos].get(mode="fill", fill_value=0, indices_are_sorted=True,
+                          unique_indices=True).reshape((b, t) + y.shape[2:])
