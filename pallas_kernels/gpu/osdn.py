@@ -27,9 +27,9 @@ a block, the block is the unclipped rank-one recurrence, and its L × L unit tri
 inputs only. `_tables` forms their inverses for every block at once in plain JAX (batched triangular solves;
 Γ of the retentions as masked sums of log r); the kernels then run one block per step with two reductions
 over K, one [L, L] × [L, K] product and a check (`_block_solve`: every d̄_{t+1} inside the bounds;
-`_block_adjoint`: the clip's derivative 1 throughout). A block that fails its check
-runs token by token as above (`lax.cond`), so results are those of the token-serial recurrence, with block
-rounding, whatever the gates.
+`_block_adjoint`: the clip's derivative 1 throughout). A block that fails its check runs token by token as
+above (`lax.cond`), so results are those of the token-serial recurrence, with block rounding, whatever the
+gates.
 
 Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first
 token and d_{T+1} of the segment is stored at its last; in reverse, λ restarts from the segment's d_{T+1}
@@ -75,7 +75,7 @@ class DPassBlocks:
   solve_t_apf: the same with an APF retention r, anchor "zero".
   solve_t_init: the same with an APF retention r, anchor "init".
   num_warps:  Triton warps per program; None: 1 for K ≤ 128 (the K-reductions stay within a warp), else 2.
-  warps_solve: Triton warps of the forward when it runs block solves ([solve_t, K] tiles).
+  warps_solve: Triton warps of both kernels when they run block solves ([solve_t, K] tiles).
   num_stages: Triton num_stages.
   """
   block_t: int = 16       # H200, B=4 T=4096 G=16 K=128 (profile_osdn): 16/8 ran fwd 1.16 ms, fwd+bwd 3.00 ms;
@@ -258,7 +258,7 @@ def _clip_grad(st, x):
 
 
 def _blocked(st) -> bool:
-  """The forward runs speculative block solves (not packed, at least one whole block)."""
+  """The kernels run block solves (a block size for this mode, not packed, at least one whole block)."""
   return bool(st.solve_t) and not st.segments and st.length >= st.solve_t
 
 
@@ -323,8 +323,7 @@ def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
 def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   """L tokens of the backward at once, when the clip's derivative is 1 for every channel and token of the
   block (every d̄_{t+1} strictly inside the bounds, padded channels aside: checked, ok; else the block runs
-  token by token). The
-  forward saved the d_t, so d̄_{t+1} is known for every token at once.
+  token by token). The forward saved the d_t, so d̄_{t+1} is known for every token at once.
 
   Then the adjoint λ_t = a_t λ_{t+1} − c_t p_t u_t + g_t (λ_t the cotangent of d_t, g_t that of output row t,
   p_t = ⟨u_t, λ_{t+1}⟩) is the rank-one recurrence in reverse: (I + Mᵀ diag(c)) p = Q ⊙ U λ_L + (Γᵀ ⊙ U Gᵀ) 1
@@ -374,7 +373,7 @@ def _blocks_view(st, x):
 
 def _tables(st, u, n, beta, r, o):
   """Per block of L tokens (plain JAX, all blocks in parallel; [B, NB, G, L, L] and [B, NB, G, L]): the
-  forward's tf, wf and the backward's tb (see `_block_solve`, `_block_adjoint`), and M."""
+  forward's tf, wf, the backward's tb and (I + Mᵀ diag(c))⁻¹ (see `_block_solve`, `_block_adjoint`), and Γ."""
   hi = lax.Precision.HIGHEST
   U = _blocks_view(st, u)
   b, nn = _blocks_view(st, beta), _blocks_view(st, n)
