@@ -209,6 +209,23 @@ def test_block_solve_hypothesis():
     _assert_close(got, want, names)
 
 
+def test_extreme_gates():
+  """Zero keys (u = 0, n = 1e-12: α and c of 1e12 in the block tables), near-zero keys, β ∈ {0, 1}, APF: finite
+  and equal to the scan, without and with the clip."""
+  a = _inputs(21, T=40, G=2, K=16)
+  u = np.array(a["u"])
+  u[:, 3::5] = 0.0
+  u[:, 4::9] *= 1e-9
+  a["u"] = jnp.asarray(u)
+  a["n"] = jnp.maximum(jnp.sum(a["u"], -1), 1e-12)
+  b = np.array(a["beta"])
+  b[:, 1::4], b[:, 2::4] = 0.0, 1.0
+  a["beta"] = jnp.asarray(b)
+  for lo, hi in ((None, None), (0.0, 8.0)):
+    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero")
+    _assert_close(got, want, names)
+
+
 def test_chaining():
   """Two calls through d_{T+1} equal one call."""
   a = _inputs(3, T=40, G=2, K=16)
