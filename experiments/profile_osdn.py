@@ -65,8 +65,8 @@ def main():
                   "1,32768,8,128")
   ap.add_argument("--runs", type=int, default=10)
   ap.add_argument("--blocks", default="", help="comma-separated FWD/BWD[/SOLVE[/WARPS_SOLVE]] to compare: tokens "
-                  "per loop iteration forward and backward, tokens per forward block solve (0: token by token) "
-                  "and its warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
+                  "per loop iteration forward and backward, tokens per block solve of both kernels (0: token by "
+                  "token) and their warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
   ap.add_argument("--warps", type=int, default=None)
   ap.add_argument("--stages", type=int, default=1)
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
