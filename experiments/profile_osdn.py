@@ -12,27 +12,22 @@ interpret mode (use a tiny shape):
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import timing
 from osdn_jax.dgps import precond
 from osdn_jax.testing import rel_rms
-from pallas_kernels.gpu import osdn
+from pallas_kernels.gpu import osdn, osdn_tables
 
 F32 = jnp.float32
 
 
 def _ms(fn, *args, runs):
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
+  """Device ms per call, back-to-back calls (`experiments.timing`; a per-call sync adds ~0.1–0.3 ms)."""
+  return timing.jax_ms(fn, *args, reps=runs)
 
 
 def _inputs(b, t, g, kd, seed=0):
@@ -69,6 +64,12 @@ def main():
                   "token) and their warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
   ap.add_argument("--warps", type=int, default=None)
   ap.add_argument("--stages", type=int, default=1)
+  ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                  help="the forward's block-solve loop loads the next block early (DPassBlocks.prefetch)")
+  ap.add_argument("--prefetch-bwd", action=argparse.BooleanOptionalAction, default=False,
+                  help="the same for the backward (DPassBlocks.prefetch_bwd)")
+  ap.add_argument("--tables", default="kernel", choices=("kernel", "xla"), help="DPassBlocks.tables")
+  ap.add_argument("--tables-dots", default="ieee", choices=("ieee", "tf32x3"), help="DPassBlocks.tables_dots")
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
   ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
                   help="APF retention r (else r ≡ 1, vanilla OSDN)")
@@ -83,11 +84,13 @@ def main():
   def blocks_of(text):   # F/B[/S[/W]]: S sets the block solve with and without a retention
     bf, bb, bs, ws = tuple(map(int, text.split("/"))) + full[len(text.split("/")):]
     return text, osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, solve_t=bs, solve_t_apf=bs, solve_t_init=bs,
-                                  warps_solve=ws, num_warps=a.warps, num_stages=a.stages)
+                                  warps_solve=ws, num_warps=a.warps, num_stages=a.stages, prefetch=a.prefetch,
+                                  prefetch_bwd=a.prefetch_bwd, tables=a.tables, tables_dots=a.tables_dots)
   configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", base)]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
-        f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages}", flush=True)
+        f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages} "
+        f"prefetch={a.prefetch}/{a.prefetch_bwd} tables={a.tables} tables_dots={a.tables_dots}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)
@@ -113,8 +116,8 @@ def main():
 
 
 def _tables_fn(blocks, args, kw):
-  """The block solves' plain-JAX tables of the forward alone, jitted (None when the kernel runs token by
-  token), to split the d-pass's time between them and the sequential kernel."""
+  """The block solves' tables of the forward alone (kernel or reference, as `blocks.tables` says), jitted (None
+  when the kernel runs token by token), to split the d-pass's time between them and the sequential kernel."""
   u, n, beta, r, d1, d0 = args
   b, t, g, kd = u.shape
   mode = "none" if r is None else kw["anchor"]
@@ -123,7 +126,7 @@ def _tables_fn(blocks, args, kw):
   if not osdn._blocked(st):
     return None
   o = d0 if mode == "init" else None
-  return jax.jit(lambda u, n, beta, r, d1, d0: osdn._tables(st, u, n, beta, r, o))
+  return jax.jit(lambda u, n, beta, r, d1, d0: osdn_tables.forward(st, u, n, beta, r, o))
 
 
 if __name__ == "__main__":

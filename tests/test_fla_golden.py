@@ -3,9 +3,12 @@
 
 chunk_delta_rule: q, k, v in bf16 (FLA refuses fp32 there), outputs, final state and every input gradient.
 chunk_gated_delta_rule: fp32 inputs, outputs and final state (FLA refuses its backward on Hopper with Triton
-3.6, FLA #640). The inputs in the files are exactly what FLA saw, so the differences are FLA's bf16/TF32
-arithmetic: compared at DESIGN.md §4's bf16 tolerances. chunk_kda and the two preconditioned ops were not
-generated: FLA's autotuning outlasted the session's GPU time (see docs/benchmarks.md).
+3.6, FLA #640).
+chunk_precond_gated_delta_rule (PGDN): fp32 inputs, outputs, final state S and final second moment A (no
+backward, FLA #640).
+The inputs in the files are exactly what FLA saw, so the differences are FLA's bf16/TF32 arithmetic: compared
+at DESIGN.md §4's bf16 tolerances. chunk_kda and chunk_precond_kda were not generated: FLA's compilation of
+chunk_kda outlasted 200 s even with one autotuning config (see docs/benchmarks.md).
 """
 import os
 
@@ -16,7 +19,7 @@ from experiments import fla_golden
 from osdn_jax.testing import BF16_TOL, rel_rms
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "fla")
-GOLDEN = ("chunk_delta_rule", "chunk_gated_delta_rule")
+GOLDEN = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_precond_gated_delta_rule")
 
 
 def _tolerance(name):

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 import pallas_kernels
 from osdn_jax.dgps import precond
 from osdn_jax.testing import rel_rms
-from pallas_kernels.gpu import osdn
+from pallas_kernels.gpu import osdn, osdn_tables
 
 TOL = 1e-6           # fp32 relative RMS, kernel against the scan
 F32 = jnp.float32
@@ -130,13 +130,17 @@ def test_matches_scan(case):
   print(case, errors)
 
 
-@pytest.mark.parametrize("T,K,block_t", [(64, 16, 4), (5, 24, 8), (37, 16, 8)])
-def test_block_boundaries(T, K, block_t):
-  """T a multiple of the token block (no tail), T shorter than one block (tail only), 8-token blocks and a
-  tail."""
+@pytest.mark.parametrize("T,K,blocks", [
+    (64, 16, osdn.DPassBlocks(block_t=4)), (5, 24, osdn.DPassBlocks(block_t=8)),
+    (37, 16, osdn.DPassBlocks(block_t=8, solve_t_init=16)),
+    (50, 16, osdn.DPassBlocks(block_t=4, solve_t_init=16, prefetch=False, tables="xla"))])
+def test_block_boundaries(T, K, blocks):
+  """T a multiple of the token block and of the 32-token block solve (no tail), T shorter than one block
+  (tail only), 8-token blocks, 16-token block solves and a tail; the GPU defaults otherwise (block solves of
+  32 tokens, the forward prefetching, the backward not). Last: 16-token block solves without prefetch, tables
+  from the plain-JAX reference."""
   a = _inputs(T, T=T, G=2, K=K)
-  got, want, names = _both(a, learned_r=True, blocks=osdn.DPassBlocks(block_t=block_t), eta=4.0, d_min=0.0,
-                           d_max=2.0, anchor="init")
+  got, want, names = _both(a, learned_r=True, blocks=blocks, eta=4.0, d_min=0.0, d_max=2.0, anchor="init")
   _assert_close(got, want, names)
 
 
@@ -157,7 +161,7 @@ def _block_inputs(seed, T=64, K=16):
 
 
 def test_block_solve_hypothesis():
-  """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with `_tables`) accept a block where
+  """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with the reference tables) accept a block where
   the clip never acts, with the forward values of the token-serial scan, and reject the blocks where it does
   (the kernels then run them token by token); the kernel over all blocks matches the scan in values and
   gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
@@ -166,9 +170,9 @@ def test_block_solve_hypothesis():
                    blocks=osdn.INTERPRET_BLOCKS, interpret=True)
   ds, _ = precond._osdn_serial(a["u"], a["n"], a["beta"], None, a["d1"], a["d0"], eta=eta, d_min=0.0, d_max=hi,
                                anchor="zero", implementation="scan")
-  tf, wf, tb, inv_b, gamma = osdn._tables(st, a["u"], a["n"], a["beta"], None, None)
+  tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], None, None)
   g = jnp.asarray(np.random.default_rng(1).normal(size=ds.shape), F32)
-  wb = osdn._adjoint_rhs(st, a["u"], g, inv_b, gamma)
+  wb = osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma)
   fwd_ok, bwd_ok = [], []
   for i in range(4):
     sl = slice(i * L, (i + 1) * L)
@@ -190,8 +194,8 @@ def test_block_solve_hypothesis():
                      mode="none", blocks=osdn.INTERPRET_BLOCKS, interpret=True)
   u12 = pad(a["u"]) / jnp.sum(pad(a["u"]), -1, keepdims=True)
   n12 = jnp.sum(u12, -1)
-  tf, wf, tb, inv_b, gamma = osdn._tables(st12, u12, n12, a["beta"], None, None)
-  wb = osdn._adjoint_rhs(st12, u12, pad(g), inv_b, gamma)
+  tf, wf, tb, inv_b, gamma = osdn_tables.reference(st12, u12, n12, a["beta"], None, None)
+  wb = osdn_tables.adjoint_rhs_reference(st12, u12, pad(g), inv_b, gamma)
   d12 = pad(a["d1"])[0, 0]
   sl = slice(0, L)
   assert osdn._block_solve(st12, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tf[0, 0, 0],
@@ -207,6 +211,32 @@ def test_block_solve_hypothesis():
   for anchor in ("zero", "init"):
     got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, anchor=anchor)
     _assert_close(got, want, names)
+
+
+@pytest.mark.parametrize("mode,L", [("none", 32), ("zero", 16), ("init", 32)])
+def test_tables_kernel(mode, L):
+  """The table kernel (`osdn_tables.forward` / `.backward`, interpret mode) against the plain-JAX reference
+  (batched triangular solves): tf, wf, tb, wb and Γ of every block, T with a partial last block, retentions
+  exactly 0 and 1, spiky keys (M far from 0), β = 0 tokens."""
+  a = _inputs(31, T=2 * L + 5, G=2, K=16)
+  r = None if mode == "none" else a["r"].at[:, 5::9].set(0.0).at[:, 3::7].set(1.0)
+  o = a["d0"] if mode == "init" else None
+  blocks = osdn.DPassBlocks(solve_t=L, solve_t_apf=L, solve_t_init=L)
+  st = osdn.Static(batch=2, length=2 * L + 5, heads=2, key_dim=16, eta=3.0, d_min=0.0, d_max=8.0, mode=mode,
+                   blocks=blocks, interpret=True)
+  g = jnp.asarray(np.random.default_rng(3).normal(size=a["u"].shape), F32)
+  tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], r, o)
+  want = (tf, wf, tb, osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma))
+  (kf, kwf, kgf), (kb, kwb, kgb) = (osdn_tables.forward(st, a["u"], a["n"], a["beta"], r, o),
+                                    osdn_tables.backward(st, a["u"], a["n"], a["beta"], r, g))
+  assert kf.shape == (2, 2, 2, L, L) and kwb.shape == (2, 2, 2, L)
+  for name, x, y in zip(("tf", "wf", "tb", "wb"), (kf, kwf, kb, kwb), want):
+    assert rel_rms(x, y) < 1e-6, (name, rel_rms(x, y))
+  if r is None:
+    assert kgf is None and kgb is None
+  else:
+    np.testing.assert_allclose(kgf, gamma, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(kgf, kgb)
 
 
 def test_extreme_gates():
@@ -309,8 +339,8 @@ def test_dispatch():
 @pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("zero", True, False),
                                                      ("init", True, False), ("init", True, True)])
 def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
-  """Forward and backward (default GPU blocks: block solves for r ≡ 1 and anchor "zero", token by token for
-  "init"; K = 128, T with a tail; packed: traced segment ids, per-segment d1 and last d) lower with the
+  """Forward and backward (default GPU blocks: block solves and their table kernels for r ≡ 1 and anchor
+  "zero", token by token for "init" and packed; K = 128, T with a tail; packed: traced segment ids, per-segment d1 and last d) lower with the
   Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
@@ -327,5 +357,7 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
+  blocked = not packed and anchor != "init"
+  assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_tables(" in ir) == blocked
   assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified

@@ -24,8 +24,8 @@ the chain itself is one K-reduction per token.
 
 Block solves (unpacked; `DPassBlocks.solve_t*` tokens per block, per mode): where the clip does not act inside
 a block, the block is the unclipped rank-one recurrence, and its L × L unit triangular systems depend on the
-inputs only. `_tables` forms their inverses for every block at once in plain JAX (batched triangular solves;
-Γ of the retentions as masked sums of log r); the kernels then run one block per step with two reductions
+inputs only. `osdn_tables` forms their inverses for every block at once (a parallel kernel, one program per
+block; Γ of the retentions as masked sums of log r); the kernels then run one block per step with two reductions
 over K, one [L, L] × [L, K] product and a check (`_block_solve`: every d̄_{t+1} inside the bounds;
 `_block_adjoint`: the clip's derivative 1 throughout). A block that fails its check runs token by token as
 above (`lax.cond`), so results are those of the token-serial recurrence, with block rounding, whatever the
@@ -54,6 +54,8 @@ from osdn_jax.ops import packing
 from pallas_kernels.gpu.chunk_math import dot, iota, last_row
 from pallas_kernels.gpu.config import padded_dim, pallas_call
 from pallas_kernels.gpu.intra import decay_factor
+from pallas_kernels.gpu import osdn_tables
+from pallas_kernels.gpu.osdn_tables import log_retention as _log_retention
 
 F32 = jnp.float32
 MAX_KEY_DIM = 256                        # d [K] stays in registers
@@ -76,18 +78,32 @@ class DPassBlocks:
   solve_t_init: the same with an APF retention r, anchor "init".
   num_warps:  Triton warps per program; None: 1 for K ≤ 128 (the K-reductions stay within a warp), else 2.
   warps_solve: Triton warps of both kernels when they run block solves ([solve_t, K] tiles).
+  warps_tables: Triton warps of the block solves' table kernels (`osdn_tables`, one program per block).
+  prefetch, prefetch_bwd: the forward's (backward's) block-solve loop loads block i + 1 while block i
+              computes (`_block_loop`).
+  tables:     how the block solves' tables are formed: "kernel" (`osdn_tables`' Pallas kernel) or "xla" (its
+              plain-JAX reference: batched triangular solves).
+  tables_dots: how the table kernel's fp32 dots run: "ieee" or "tf32x3" (`chunk_math.fp32_dots`; rounding only).
   num_stages: Triton num_stages.
   """
   block_t: int = 16       # H200, B=4 T=4096 G=16 K=128 (profile_osdn): 16/8 ran fwd 1.16 ms, fwd+bwd 3.00 ms;
   block_t_bwd: int = 8     # 32/16 1.48 / 3.89; 64/32 1.48 / 4.13
-  # H200, B=4 T=4096 G=16 K=128 (profile_osdn, fwd / fwd+bwd ms; token by token → block solve), r ≡ 1:
-  # 1.469 / 3.130 → 1.230 / 2.776 at 16, 1.177 / 2.569 at 32; anchor "zero": 1.536 / 3.330 → 1.493 / 3.082 at
-  # 16; anchor "init": 1.230 / 2.925 → 1.427 / 3.204 at 16, 1.747 / 3.421 at 32 (slower: off).
+  # H200, B=4 T=4096 G=16 K=128 (profile_osdn, fwd / fwd+bwd ms, each group one run; token by token → block
+  # solve). Plain-JAX tables, timings synchronised per call: r ≡ 1 1.469 / 3.130 → 1.230 / 2.776 at 16, 1.177 /
+  # 2.569 at 32; "zero" 1.536 / 3.330 → 1.493 / 3.082 at 16; "init" 1.230 / 2.925 → 1.427 / 3.204 at 16, 1.747 /
+  # 3.421 at 32. Table kernel, synchronised: "zero" 1.580 / 3.965 at 16, 1.714 / 4.139 at 32; "init" 1.675 /
+  # 3.521 → 2.051 / 3.955 at 16, 1.598 / 4.363 at 32. Table kernel, back-to-back: r ≡ 1 1.172 / 2.931 → 1.054 /
+  # 2.822 at 32.
   solve_t: int = 32
   solve_t_apf: int = 16
   solve_t_init: int = 0
   num_warps: int | None = None
   warps_solve: int = 4
+  warps_tables: int = 4
+  prefetch: bool = True     # H200 (kernel_times, B=4 T=4096 G=16 K=128, L=32, across runs): forward 0.475 → 0.360;
+  prefetch_bwd: bool = False  # backward kernel 1.009 → 1.112 ms (more registers: three [L, K] tiles per block)
+  tables: str = "kernel"
+  tables_dots: str = "ieee"  # "tf32x3": forward tables 0.566 → 0.402 ms, but forward+backward 2.83 → 3.91 ms
   num_stages: int = 1
 
   def __post_init__(self):
@@ -98,9 +114,13 @@ class DPassBlocks:
       v = getattr(self, name)
       if v and (not _pow2(v) or v < 16):
         raise ValueError(f"DPassBlocks.{name}={v} must be 0 or a power of two ≥ 16")
-    for name in ("num_warps", "warps_solve"):
+    for name in ("num_warps", "warps_solve", "warps_tables"):
       if getattr(self, name) is not None and not _pow2(getattr(self, name)):
         raise ValueError(f"DPassBlocks.{name}={getattr(self, name)} must be a power of two")
+    if self.tables not in ("kernel", "xla"):
+      raise ValueError(f"DPassBlocks.tables={self.tables!r} must be 'kernel' or 'xla'")
+    if self.tables_dots not in ("ieee", "tf32x3"):
+      raise ValueError(f"DPassBlocks.tables_dots={self.tables_dots!r} must be 'ieee' or 'tf32x3'")
     if self.num_stages < 1:
       raise ValueError(f"DPassBlocks.num_stages={self.num_stages} must be ≥ 1")
 
@@ -113,7 +133,7 @@ class DPassBlocks:
 
 DEFAULT_BLOCKS = DPassBlocks()
 INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16,  # interpret mode: unrolling
-                               solve_t_init=16)                                      # costs compile time only
+                               solve_t_init=16, prefetch_bwd=True)                   # costs compile time only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +282,23 @@ def _blocked(st) -> bool:
   return bool(st.solve_t) and not st.segments and st.length >= st.solve_t
 
 
+def _block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False):
+  """carry ← body(i, fetch(i), carry) over the blocks i = 0 … nb − 1 (nb − 1 … 0 when reverse). With
+  prefetch, block i's loads (everything but the carry, which they do not depend on) are issued
+  one iteration early, during the previous block's math, so their memory latency is off the dependency chain;
+  the loop then carries them (twice the registers for the block's tiles)."""
+  order = (lambda i: nb - 1 - i) if reverse else (lambda i: i)
+  zero, count = jnp.int32(0), jnp.int32(nb)
+  if not prefetch:
+    return lax.fori_loop(zero, count, lambda i, c: body(order(i), fetch(order(i)), c), carry)
+
+  def step(i, c):
+    c, x = c
+    nxt = fetch(order(jnp.minimum(i + 1, nb - 1)))
+    return body(order(i), x, c), nxt
+  return lax.fori_loop(zero, count, step, (carry, fetch(order(zero))))[0]
+
+
 def _sequential_tokens(st, load, step, start, count: int, block_t: int, c, reverse: bool = False):
   """step over tokens start … start + count − 1 (count static; in reverse order when reverse), in unrolled
   groups of ≤ block_t tokens."""
@@ -269,11 +306,6 @@ def _sequential_tokens(st, load, step, start, count: int, block_t: int, c, rever
   for ts in (reversed(groups) if reverse else groups):
     c = _run_tokens(load, step, ts, c, reverse)
   return c
-
-
-def _log_retention(r):
-  """log r, clamped at log 1e-30: a zero retention forgets to e^{−69} of d instead of 0."""
-  return jnp.log(jnp.maximum(r, 1e-30))
 
 
 def _through(r, L: int):
@@ -294,7 +326,7 @@ def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   o = d_init for "init", else 0) with coef_t = α_t − c_t s_t, α = η β / n, c = η β² / n, and
   s_t = ⟨d_t, u_t⟩ = ⟨o, u_t⟩ + P_t ⟨δ_0, u_t⟩ + Σ_{j<t} M_tj coef_j (P_t = Π_{i<t} a_i, M = Γ ⊙ U Uᵀ,
   Γ_tj = Π_{j<i<t} a_i): (I + M diag(c)) s = U o + M α + P ⊙ U δ_0. The inverse of that unit lower
-  triangular matrix depends on the inputs only, so `_tables` forms it for every block in parallel:
+  triangular matrix depends on the inputs only, so `osdn_tables.forward` forms it for every block in parallel:
   tf = (I + M diag(c))⁻¹ diag(P) and wf = (I + M diag(c))⁻¹ (U o + M α). Here: s = tf U δ_0 + wf and
   D = (d_t)_t = o + P ⊗ δ_0 + (Γ diag(coef)) U, then every d̄_{t+1} = o + a_t (d_t − o) + coef_t u_t is checked
   inside [d_min, d_max] (NaN fails; padded channels are not checked). Returns (D [L, K], d_L [K], ok).
@@ -328,7 +360,7 @@ def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   Then the adjoint λ_t = a_t λ_{t+1} − c_t p_t u_t + g_t (λ_t the cotangent of d_t, g_t that of output row t,
   p_t = ⟨u_t, λ_{t+1}⟩) is the rank-one recurrence in reverse: (I + Mᵀ diag(c)) p = Q ⊙ U λ_L + (Γᵀ ⊙ U Gᵀ) 1
   (Q_t = Π_{t<i<L} a_i), with tb = (I + Mᵀ diag(c))⁻¹ diag(Q) and wb = (I + Mᵀ diag(c))⁻¹ (Γᵀ ⊙ U Gᵀ) 1 from
-  `_tables` / `_adjoint_rhs`, and Λ = (λ_{t+1})_t = Q ⊗ λ_L + Γᵀ (G − (c ⊙ p) ⊗ U) is one [L, L] × [L, K]
+  `osdn_tables.backward`, and Λ = (λ_{t+1})_t = Q ⊗ λ_L + Γᵀ (G − (c ⊙ p) ⊗ U) is one [L, L] × [L, K]
   product. Returns the kernel's per-token gradients (du [L, K], dβ, dn [L], dr [L] or None), the block's
   share of d_init's gradient ([K] or None), λ_0 [K] and ok.
 
@@ -361,56 +393,6 @@ def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   lam_t = (mu if r is None else r[:, None] * mu) - cp[:, None] * u + g
   lam0 = jnp.sum(jnp.where(iota((L, K), 0) == 0, lam_t, 0.0), axis=0)
   return du, dbeta, dn, dr, d_o, lam0, ok
-
-
-def _blocks_view(st, x):
-  """[B, T, G, ...] → [B, NB, G, L, ...]: the first NB·L tokens as blocks of L = solve_t."""
-  L = st.solve_t
-  nb = st.length // L
-  x = x[:, :nb * L].reshape((x.shape[0], nb, L) + x.shape[2:])
-  return jnp.moveaxis(x, 2, 3)
-
-
-def _tables(st, u, n, beta, r, o):
-  """Per block of L tokens (plain JAX, all blocks in parallel; [B, NB, G, L, L] and [B, NB, G, L]): the
-  forward's tf, wf, the backward's tb and (I + Mᵀ diag(c))⁻¹ (see `_block_solve`, `_block_adjoint`), and Γ."""
-  hi = lax.Precision.HIGHEST
-  U = _blocks_view(st, u)
-  b, nn = _blocks_view(st, beta), _blocks_view(st, n)
-  L = U.shape[-2]
-  ar = jnp.arange(L)
-  strict = ar[:, None] > ar[None, :]
-  if r is None:
-    gamma, P, Q = jnp.where(strict, 1.0, 0.0).astype(F32), None, None
-  else:      # masked sums of log r (no differences of cumulative sums: see `_through`)
-    la = _log_retention(_blocks_view(st, r))
-    window = (ar[None, :, None] < ar[:, None, None]) & (ar[:, None, None] > ar[None, None, :]) & \
-        (ar[None, None, :] > ar[None, :, None])                     # [t, j, i]: j < i < t
-    gamma = jnp.where(strict, jnp.exp(jnp.einsum("tji,...i->...tj", window.astype(F32), la, precision=hi)), 0.0)
-    P = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] < ar[:, None]).astype(F32), la, precision=hi))
-    Q = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] > ar[:, None]).astype(F32), la, precision=hi))
-  alpha, c = st.eta * b / nn, st.eta * b * b / nn
-  M = gamma * jnp.einsum("...tk,...jk->...tj", U, U, precision=hi)
-  eye = jnp.eye(L, dtype=F32)
-  inv_f = lax.linalg.triangular_solve(eye + M * c[..., None, :], jnp.broadcast_to(eye, M.shape), left_side=True,
-                                      lower=True, unit_diagonal=True)
-  inv_b = lax.linalg.triangular_solve(eye + jnp.swapaxes(M, -1, -2) * c[..., None, :],
-                                      jnp.broadcast_to(eye, M.shape), left_side=True, lower=False,
-                                      unit_diagonal=True)
-  rhs = jnp.einsum("...tj,...j->...t", M, alpha, precision=hi)
-  if o is not None:
-    rhs = rhs + jnp.einsum("bngtk,gk->bngt", U, o, precision=hi)
-  wf = jnp.einsum("...tj,...j->...t", inv_f, rhs, precision=hi)
-  tf = inv_f if P is None else inv_f * P[..., None, :]
-  tb = inv_b if Q is None else inv_b * Q[..., None, :]
-  return tf, wf, tb, inv_b, gamma
-
-
-def _adjoint_rhs(st, u, g_ds, inv_b, gamma):
-  """wb [B, NB, G, L] = (I + Mᵀ diag(c))⁻¹ (Γᵀ ⊙ U Gᵀ) 1 (plain JAX, all blocks in parallel)."""
-  hi = lax.Precision.HIGHEST
-  ug = jnp.einsum("...tk,...jk->...tj", _blocks_view(st, u), _blocks_view(st, g_ds), precision=hi)
-  return jnp.einsum("...tj,...j->...t", inv_b, jnp.sum(jnp.swapaxes(gamma, -1, -2) * ug, axis=-1), precision=hi)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -449,20 +431,22 @@ def _fwd_kernel(st, *refs):
     L = st.solve_t
     nb, rem = divmod(st.length, L)
 
-    def block(i, d):
-      start = i * L
-      rows = pl.ds(start, L)
-      D, d_next, ok = _block_solve(st, u_ref[rows, :], b_ref[rows], n_ref[rows],
-                                   r_ref[rows] if st.has_r else None, o, d, tf_ref[i, :, :], wf_ref[i, :],
-                                   gm_ref[i, :, :] if st.has_r else None)
+    def fetch(i):
+      rows = pl.ds(i * L, L)
+      return (u_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
+              wf_ref[i, :], gm_ref[i, :, :] if st.has_r else None)
+
+    def block(i, x, d):
+      u, b, n, r, tf, wf, gm = x
+      D, d_next, ok = _block_solve(st, u, b, n, r, o, d, tf, wf, gm)
 
       def accept():
-        ds_ref[pl.ds(start, L), :] = D
+        ds_ref[pl.ds(i * L, L), :] = D
         return d_next
-      serial = lambda: _sequential_tokens(st, load, step, start, L, bt, d)
+      serial = lambda: _sequential_tokens(st, load, step, i * L, L, bt, d)
       return lax.cond(ok, accept, serial)
 
-    d = lax.fori_loop(jnp.int32(0), jnp.int32(nb), block, d1)
+    d = _block_loop(nb, fetch, block, d1, prefetch=st.blocks.prefetch)
     dl_ref[...] = _sequential_tokens(st, load, step, nb * L, rem, bt, d)
   else:
     dl_ref[...] = _sequential(st, load, step, d1, False, bt)
@@ -478,7 +462,7 @@ def _forward(st, u, n, beta, r, codes, d1, o):
   packed = st.segments > 0
   tables = []
   if _blocked(st):
-    tf, wf, _, _, gamma = _tables(st, u, n, beta, r, o)
+    tf, wf, gamma = osdn_tables.forward(st, u, n, beta, r, o)
     tables = [tf, wf] + ([gamma] if st.has_r else [])
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
       ([o] if st.has_o else []) + tables
@@ -546,14 +530,16 @@ def _bwd_kernel(st, *refs):
     L = st.solve_t
     nb, rem = divmod(st.length, L)
 
-    def block(i, carry):
-      blk = nb - 1 - i
-      start = blk * L
-      rows = pl.ds(start, L)
-      du, db, dn, dr, d_o, lam_prev, ok = _block_adjoint(
-          st, u_ref[rows, :], ds_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows],
-          r_ref[rows] if st.has_r else None, o, carry[0], tb_ref[blk, :, :], wb_ref[blk, :],
-          gm_ref[blk, :, :] if st.has_r else None)
+    def fetch(blk):
+      rows = pl.ds(blk * L, L)
+      return (u_ref[rows, :], ds_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows],
+              r_ref[rows] if st.has_r else None, tb_ref[blk, :, :], wb_ref[blk, :],
+              gm_ref[blk, :, :] if st.has_r else None)
+
+    def block(blk, x, carry):
+      u, d, g, b, n, r, tb, wb, gm = x
+      du, db, dn, dr, d_o, lam_prev, ok = _block_adjoint(st, u, d, g, b, n, r, o, carry[0], tb, wb, gm)
+      rows = pl.ds(blk * L, L)
 
       def accept():
         du_ref[rows, :] = du
@@ -562,11 +548,11 @@ def _bwd_kernel(st, *refs):
         if st.has_r:
           dr_ref[rows] = dr
         return lam_prev, carry[1] + d_o if st.has_o else carry[1]
-      serial = lambda: _sequential_tokens(st, load, step, start, L, bt, carry, reverse=True)
+      serial = lambda: _sequential_tokens(st, load, step, blk * L, L, bt, carry, reverse=True)
       return lax.cond(ok, accept, serial)
 
     carry = _sequential_tokens(st, load, step, nb * L, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
-    lam, acc_o = lax.fori_loop(jnp.int32(0), jnp.int32(nb), block, carry)
+    lam, acc_o = _block_loop(nb, fetch, block, carry, prefetch=st.blocks.prefetch_bwd, reverse=True)
   else:
     lam, acc_o = _sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, bt)
   if not packed:
@@ -579,8 +565,8 @@ def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
   packed = st.segments > 0
   tables = []
   if _blocked(st):
-    _, _, tb, inv_b, gamma = _tables(st, u, n, beta, r, o)
-    tables = [tb, _adjoint_rhs(st, u, g_ds, inv_b, gamma)] + ([gamma] if st.has_r else [])
+    tb, wb, gamma = osdn_tables.backward(st, u, n, beta, r, g_ds)
+    tables = [tb, wb] + ([gamma] if st.has_r else [])
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
       ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
