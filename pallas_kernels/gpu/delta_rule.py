@@ -113,7 +113,8 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   st = Static(batch=q.shape[0], length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
               same_keys=kw is None, blocks=blocks, interpret=interpret,
-              low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg)
+              low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
+              grad_dtype=jnp.dtype(dtype).name)
   o, S = _solve(st, q, k, kw, v, beta, G, S0_in, info)
   if not n_seg:
     return o[:, :t, :, :vd], S[:, :, :kd, :vd]

@@ -58,6 +58,13 @@ def _f32(shape):
   return jax.ShapeDtypeStruct(shape, F32)
 
 
+def _key_grads(st, n_k: int):
+  """Out shapes of the finishing kernels' dq, dk (and dk_write when n_k = 3), [B, T, HV, K]."""
+  shape = (st.batch, st.length, st.value_heads, st.key_dim)
+  dtypes = [st.dq_dtype, st.dq_dtype, st.dkw_dtype][:n_k]
+  return [jax.ShapeDtypeStruct(shape, d) for d in dtypes]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 4. The chunk-local part of dV_new.
 # ---------------------------------------------------------------------------------------------------------
@@ -246,7 +253,7 @@ def _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref):
     dM = _add(dM, dot(do, vn, tb=True))
     dTu = _add(dTu, dot(dvn, st.lo(beta * v), tb=True))
     dbv = dot(t_lo, dvn, ta=True)                                        # Tᵀ dV_new [C, BV]
-    dv_ref[:, cs] = beta * dbv
+    dv_ref[:, cs] = (beta * dbv).astype(dv_ref.dtype)
     dbeta = _add(dbeta, jnp.sum(dbv * v, axis=1))
   return dM, dTu, dbeta
 
@@ -289,7 +296,7 @@ def _grads_intra_kernel(st, *refs):
 
 
 def grads_intra(st: L.Static, k, v, beta, G, T, V_new, dV_new, do, dws):
-  """→ dv [B, T, HV, V] fp32, dβ's V part [B, HV, T], and the pair weights [B, HV, T, C]: decay none / scalar
+  """→ dv [B, T, HV, V] (in `Static.grad_dtype`), dβ's V part [B, HV, T], and the pair weights [B, HV, T, C]: decay none / scalar
   scale·dM⊙Γ and dA⊙Γ in st.mm (for `grads_finish`); per channel raw scale·dM and dA in fp32 (for
   `grads_pairs`)."""
   w = L.chunk_grid
@@ -306,7 +313,7 @@ def grads_intra(st: L.Static, k, v, beta, G, T, V_new, dV_new, do, dws):
   pair_dtype = F32 if st.decay == "channel" else st.mm
   out_specs = [L.tokens(st, vd, w), L.vector(st, w), L.head_major(st, st.chunk, w),
                L.head_major(st, st.chunk, w)]
-  out_shape = [_f32((b, t, hv, vd)), _f32((b, hv, t)),
+  out_shape = [jax.ShapeDtypeStruct((b, t, hv, vd), st.grad_dtype), _f32((b, hv, t)),
                jax.ShapeDtypeStruct((b, hv, t, st.chunk), pair_dtype),
                jax.ShapeDtypeStruct((b, hv, t, st.chunk), pair_dtype)]
   kernel = lambda *refs: _grads_intra_kernel(st, *refs)
@@ -334,7 +341,7 @@ def _grads_finish_kernel(st, *refs):
   Aw = st.lo(Aw)
   q, k, kw = load(q_ref, ALL), load(k_ref, ALL), load(kw_ref, ALL)
   dq_p = dot(Mw, st.lo(kw))
-  dq_ref[...] = dqs_ref[...] + dq_p
+  dq_ref[...] = (dqs_ref[...] + dq_p).astype(dq_ref.dtype)
   R = dot(Aw, st.lo(kw))
   dkb = -dot(st.lo(t_ref[...]), dw_ref[...], ta=True)                   # Tᵀ dW (the stored operand is −dW)
   dk = beta * (R + row_scale(dkb, eg))
@@ -342,16 +349,16 @@ def _grads_finish_kernel(st, *refs):
   dkw_p = dot(Mw, st.lo(q), ta=True) + dot(bAw, st.lo(k), ta=True)
   dkw = dkws_ref[...] + dkw_p
   if sep:
-    dk_ref[...] = dk
-    dkw_ref[...] = dkw
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dkw_ref[...] = dkw.astype(dkw_ref.dtype)
   else:
-    dk_ref[...] = dk + dkw
+    dk_ref[...] = (dk + dkw).astype(dk_ref.dtype)
   if has_g:
     dg_ref[...] = jnp.sum(q * dq_p + k * dk - kw * dkw_p, axis=1)
 
 
 def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
-  """Decay none / scalar → (dq, dk, dk_write or None) [B, T, HV, K] fp32, dβ's K part [NK, B, HV, T] and
+  """Decay none / scalar → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K part [NK, B, HV, T] and
   (scalar) dG's intra-chunk part [NK, B, HV, T] (partial sums over the K blocks, None without decay)."""
   bk = st.blocks.k_block("grad", st.key_dim)
   nk = st.key_dim // bk
@@ -366,10 +373,10 @@ def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
   in_specs += [L.vector(st, w), L.head_major(st, st.chunk, w), L.head_major(st, bk, w, split=True),
                L.head_major(st, st.chunk, w), L.head_major(st, st.chunk, w), ktok(), ktok()]
   args += [beta, T, dws, Mw, Aw, dq_s, dkw_s]
-  b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
+  b, hv, t = st.batch, st.value_heads, st.length
   n_k = 3 if sep else 2
   out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w)] * (2 if has_g else 1)
-  out_shape = [_f32((b, t, hv, kd)) for _ in range(n_k)] + [_f32((nk, b, hv, t))] * (2 if has_g else 1)
+  out_shape = _key_grads(st, n_k) + [_f32((nk, b, hv, t))] * (2 if has_g else 1)
   kernel = lambda *refs: _grads_finish_kernel(st, *refs)
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_finish,
@@ -418,12 +425,12 @@ def _pairs_chunk(st, ch, cols, refs, dbeta):
     dkb = -dot(lo(t_ref[:, ba]), dw_ref[:, cols], ta=True)             # (Tᵀ dW) rows of block a
     dk = beta[a] * (R[a] + dkb * eg)
     dkw = load(dkws_ref, ba, cols) + dkw_p[a]
-    dq_ref[ba, cols] = load(dqs_ref, ba, cols) + dq_p[a]
+    dq_ref[ba, cols] = (load(dqs_ref, ba, cols) + dq_p[a]).astype(dq_ref.dtype)
     if dkw_ref is not None:
-      dk_ref[ba, cols] = dk
-      dkw_ref[ba, cols] = dkw
+      dk_ref[ba, cols] = dk.astype(dk_ref.dtype)
+      dkw_ref[ba, cols] = dkw.astype(dkw_ref.dtype)
     else:
-      dk_ref[ba, cols] = dk + dkw
+      dk_ref[ba, cols] = (dk + dkw).astype(dk_ref.dtype)
     db = dbeta[a] + jnp.sum(k[a] * R[a], axis=1) + jnp.sum(dkb * (k[a] * eg), axis=1)
     dg = load(dgs_ref, ba, cols) + q[a] * dq_p[a] + k[a] * dk - kw[a] * dkw_p[a]
     out.append((db, dg))
@@ -457,7 +464,7 @@ def _grads_pairs_kernel(st, *refs):
 
 
 def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s):
-  """Per channel → (dq, dk, dk_write or None) [B, T, HV, K] fp32, dβ's K part [NK, B, HV, T], dG
+  """Per channel → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K part [NK, B, HV, T], dG
   [B, T, HV, K]."""
   bk = st.blocks.k_block("grad", st.key_dim)
   nk = st.key_dim // bk
@@ -471,7 +478,7 @@ def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG
   b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
   n_k = 3 if sep else 2
   out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w), ktok()]
-  out_shape = [_f32((b, t, hv, kd)) for _ in range(n_k)] + [_f32((nk, b, hv, t)), _f32((b, t, hv, kd))]
+  out_shape = _key_grads(st, n_k) + [_f32((nk, b, hv, t)), _f32((b, t, hv, kd))]
   kernel = lambda *refs: _grads_pairs_kernel(st, *refs)
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_pairs,

@@ -47,6 +47,8 @@ class Static:
                                 # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
   segments: int = 0             # packed: N segments laid out chunk-aligned in one row (batch 1); 0: not
                                 # packed. The state passes then run one lane per segment (`chunk_info`).
+  grad_dtype: str = "float32"   # dtype of q, k, v: the backward writes dq, dk, dk_write, dv in it where the
+                                # wrapper does not sum head groups afterwards (no fp32 round trip through HBM)
 
   @property
   def mm(self):
@@ -55,6 +57,16 @@ class Static:
 
   def lo(self, x):
     return x.astype(self.mm)
+
+  @property
+  def dq_dtype(self):
+    """dtype of the backward's dq, dk: fp32 under GVA (summed over each key head's group later)."""
+    return jnp.dtype(self.grad_dtype) if self.value_heads == self.heads else jnp.dtype(jnp.float32)
+
+  @property
+  def dkw_dtype(self):
+    """dtype of the backward's dk_write: fp32 when k_write has fewer heads than v (summed later)."""
+    return jnp.dtype(self.grad_dtype) if self.value_heads == self.kw_heads else jnp.dtype(jnp.float32)
 
   @property
   def num_chunks(self) -> int:
