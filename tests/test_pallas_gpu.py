@@ -76,6 +76,34 @@ def test_bf16(decay):
   _compare(p, jnp.bfloat16, 16)
 
 
+@pytest.mark.parametrize("decay,k_write", [("scalar", "value"), ("channel", "none")])
+def test_bf16_gradients_leave_the_kernels_in_bf16(decay, k_write):
+  """Without head groups, the backward kernels write dq, dk (dk_write) and dv in bf16 themselves (no fp32
+  array and XLA convert between kernel and caller), and those gradients match the oracle as in test_bf16."""
+  p = random_problem(16, B=1, T=45, H=2, HV=2, K=16, V=32, decay=decay, k_write=k_write)
+  _compare(p, jnp.bfloat16, 16)
+  jaxpr = jax.make_jaxpr(lambda a: vjp_all(_fn(gpu, chunk_size=16), a))(p.arrays(jnp.bfloat16))
+  finish = "delta_rule_grads_pairs" if decay == "channel" else "delta_rule_grads_finish"
+  dtypes = {}
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      name = str(eqn.params.get("name", "")) + str(eqn.params.get("name_and_src_info", ""))
+      for kernel in (finish, "delta_rule_grads_intra"):
+        if eqn.primitive.name == "pallas_call" and kernel in name:
+          dtypes[kernel] = [jnp.dtype(v.aval.dtype).name for v in eqn.outvars]
+      for v in eqn.params.values():                 # nested jaxprs (custom_vjp, jit, cond)
+        for j in (v if isinstance(v, (list, tuple)) else [v]):
+          if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+            walk(j.jaxpr)
+          elif hasattr(j, "eqns"):
+            walk(j)
+  walk(jaxpr.jaxpr)
+  n_keys = 3 if k_write != "none" else 2
+  assert dtypes[finish][:n_keys] == ["bfloat16"] * n_keys, dtypes
+  assert dtypes["delta_rule_grads_intra"][0] == "bfloat16", dtypes
+
+
 def test_bf16_fp32_matmuls():
   """bf16 inputs with every dot in fp32: as accurate as the XLA path (errors from the output rounding)."""
   p = random_problem(8, B=1, T=45, H=2, HV=4, K=16, V=32, decay="scalar", k_write="value")
@@ -232,6 +260,23 @@ def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
     assert names == _expected_kernels(decay), (decay, names)
     assert ir.count("tt.dot") > 0 and not re.search(r"inputPrecision = tf32(?!x3)", ir)
     assert "inputPrecision = tf32x3" in ir         # fp32 inputs: the default BlockSizes.fp32_dots
+  assert all(verified), verified
+
+
+def test_bf16_gradients_lower_to_triton(triton_lowering, capsys):
+  """bf16 inputs without head groups (dq, dk, dk_write, dv stored as bf16 by the kernels) lower to verified
+  Triton IR, decay none / scalar (grads_finish) and per channel (grads_pairs)."""
+  verified = triton_lowering
+  b, t, h, kd = 1, 64, 2, 32
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  for g in (None, jax.ShapeDtypeStruct((b, t, h), jnp.float32), jax.ShapeDtypeStruct((b, t, h, kd), jnp.float32)):
+    def loss(q, k, v, kw, beta, g):
+      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+    args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd),
+            jax.ShapeDtypeStruct((b, t, h), jnp.float32), g)
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "@delta_rule_grads_" in capsys.readouterr().out
   assert all(verified), verified
 
 
