@@ -58,6 +58,22 @@ def table(events, calls: int, top: int):
   return out
 
 
+def per_call(fn, *args, calls: int = 10, folder=None):
+  """{(device line, kernel): µs per call} of fn(*args) (already compiled or not: two untimed calls first)."""
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  folder = folder or tempfile.mkdtemp()
+  with jax.profiler.trace(folder, create_perfetto_trace=True):
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  times = collections.Counter()
+  for line, name, dur in device_events(folder):
+    times[line, name] += dur / calls
+  return times
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--ops", default="dn,osdn")
@@ -76,17 +92,10 @@ def main():
     do = jnp.asarray(np.random.default_rng(1).normal(size=shape), jnp.float32)
     for mode in a.modes.split(","):
       fn = throughput._jax_fn(op, a.impl, mode, do)
-      jax.block_until_ready(fn(x))
-      jax.block_until_ready(fn(x))
-      d = os.path.join(root, f"{op}-{mode}")
-      with jax.profiler.trace(d, create_perfetto_trace=True):
-        out = None
-        for _ in range(a.calls):
-          out = fn(x)
-        jax.block_until_ready(out)
       print(f"{op} {mode} ({a.impl}):", flush=True)
       try:
-        print("\n".join(table(device_events(d), a.calls, a.top)), flush=True)
+        times = per_call(fn, x, calls=a.calls, folder=os.path.join(root, f"{op}-{mode}"))
+        print("\n".join(table([(line, name, us) for (line, name), us in times.items()], 1, a.top)), flush=True)
       except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"  no device events: {type(e).__name__}: {e}", flush=True)
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
+from experiments import kernel_times, timing
 from osdn_jax.dgps import precond
 from osdn_jax.testing import rel_rms
 from pallas_kernels.gpu import osdn, osdn_tables
@@ -73,6 +73,8 @@ def main():
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
   ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
                   help="APF retention r (else r ≡ 1, vanilla OSDN)")
+  ap.add_argument("--trace", action="store_true",
+                  help="also print each config's device time per kernel (profiler trace, experiments.kernel_times)")
   ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
                   help="also time the token-serial lax.scan and compare values")
   a = ap.parse_args()
@@ -113,6 +115,11 @@ def main():
         err = max(rel_rms(x, y) for x, y in zip(jax.tree.leaves((kf(*args), kb(*args))), ref))
         line += f"  max rel-rms diff vs scan {err:.2e}"
       print(line, flush=True)
+      if a.trace:
+        for mode, fn in (("fwd", kf), ("fwd+bwd", kb)):
+          times = kernel_times.per_call(fn, *args)
+          print(f"  {mode} device ms per kernel: " + ", ".join(
+              f"{name} {us / 1e3:.3f}" for (_, name), us in times.most_common()), flush=True)
 
 
 def _tables_fn(blocks, args, kw):
@@ -122,7 +129,8 @@ def _tables_fn(blocks, args, kw):
   b, t, g, kd = u.shape
   mode = "none" if r is None else kw["anchor"]
   st = osdn.Static(batch=b, length=t, heads=g, key_dim=osdn.padded_dim(kd), channels=kd, eta=kw["eta"],
-                   d_min=kw["d_min"], d_max=kw["d_max"], mode=mode, blocks=blocks, interpret=False)
+                   d_min=kw["d_min"], d_max=kw["d_max"], mode=mode, blocks=blocks,
+                   interpret=jax.default_backend() == "cpu")
   if not osdn._blocked(st):
     return None
   o = d0 if mode == "init" else None

@@ -40,3 +40,11 @@ def test_device_events_and_table(tmp_path):
 def test_no_trace_is_an_error(tmp_path):
   with pytest.raises(FileNotFoundError):
     kernel_times.device_events(str(tmp_path))
+
+
+def test_per_call_runs_under_the_profiler(tmp_path):
+  """The profiler round trip itself (on CPU: no device lines, so no kernels)."""
+  import jax
+  import jax.numpy as jnp
+  times = kernel_times.per_call(jax.jit(lambda x: x * 2.0), jnp.ones(8), calls=2, folder=str(tmp_path))
+  assert isinstance(times, dict) and all(us >= 0 for us in times.values())
