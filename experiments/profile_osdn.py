@@ -69,6 +69,8 @@ def main():
   ap.add_argument("--prefetch-bwd", action=argparse.BooleanOptionalAction, default=False,
                   help="the same for the backward (DPassBlocks.prefetch_bwd)")
   ap.add_argument("--tables", default="kernel", choices=("kernel", "xla"), help="DPassBlocks.tables")
+  ap.add_argument("--split-bwd", action=argparse.BooleanOptionalAction, default=False,
+                  help="λ-only sequential backward + parallel block gradients (DPassBlocks.split_bwd)")
   ap.add_argument("--tables-dots", default="ieee", choices=("ieee", "tf32x3"), help="DPassBlocks.tables_dots")
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
   ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
@@ -87,12 +89,14 @@ def main():
     bf, bb, bs, ws = tuple(map(int, text.split("/"))) + full[len(text.split("/")):]
     return text, osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, solve_t=bs, solve_t_apf=bs, solve_t_init=bs,
                                   warps_solve=ws, num_warps=a.warps, num_stages=a.stages, prefetch=a.prefetch,
-                                  prefetch_bwd=a.prefetch_bwd, tables=a.tables, tables_dots=a.tables_dots)
+                                  prefetch_bwd=a.prefetch_bwd, tables=a.tables, tables_dots=a.tables_dots,
+                                  split_bwd=a.split_bwd)
   configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", base)]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
         f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages} "
-        f"prefetch={a.prefetch}/{a.prefetch_bwd} tables={a.tables} tables_dots={a.tables_dots}", flush=True)
+        f"prefetch={a.prefetch}/{a.prefetch_bwd} tables={a.tables} tables_dots={a.tables_dots} "
+        f"split_bwd={a.split_bwd}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)

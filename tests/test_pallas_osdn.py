@@ -361,3 +361,25 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_tables(" in ir) == blocked
   assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified
+
+
+@pytest.mark.parametrize("learned_r", [False, True])
+def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
+  """`DPassBlocks(split_bwd=True)`: the λ-only sequential kernel and the parallel block-gradient kernel (with
+  its in-place updated outputs) lower to verified Triton IR."""
+  verified = triton_lowering
+  b, t, g, kd = 2, 100, 4, 128
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  blocks = osdn.DPassBlocks(split_bwd=True, solve_t_apf=32)
+
+  def loss(u, n, beta, r, d1, d0):
+    ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
+                             anchor="zero", blocks=blocks, interpret=False)
+    return jnp.sum(ds) + jnp.sum(d_last)
+
+  f = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  jax.jit(f).trace(sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(b, g, kd), sd(g, kd)).lower(
+      lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  assert "@osdn_d_pass_bwd(" in ir and "@osdn_d_pass_bwd_blocks(" in ir
+  assert all(verified), verified

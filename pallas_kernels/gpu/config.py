@@ -138,7 +138,7 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def pallas_call(kernel, *, grid, in_specs, out_specs, out_shape, interpret: bool, num_warps: int,
-                num_stages: int, name: str, fp32_dots: str = "tf32x3"):
+                num_stages: int, name: str, fp32_dots: str = "tf32x3", input_output_aliases=None):
   """`pl.pallas_call` for the Triton lowering (explicit compiler params) or the CPU interpreter. The kernel
   body is traced with fp32 dots as `fp32_dots` says when compiled, IEEE (exact fp32) in interpret mode."""
   from pallas_kernels.gpu import chunk_math
@@ -148,4 +148,4 @@ def pallas_call(kernel, *, grid, in_specs, out_specs, out_shape, interpret: bool
       return kernel(*refs)
   return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, compiler_params=compiler_params(num_warps, num_stages),
-                        name=name)
+                        name=name, input_output_aliases=input_output_aliases or {})

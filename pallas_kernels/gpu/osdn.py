@@ -84,6 +84,9 @@ class DPassBlocks:
   tables:     how the block solves' tables are formed: "kernel" (`osdn_tables`' Pallas kernel) or "xla" (its
               plain-JAX reference: batched triangular solves).
   tables_dots: how the table kernel's fp32 dots run: "ieee" or "tf32x3" (`chunk_math.fp32_dots`; rounding only).
+  split_bwd:  the backward's sequential kernel carries only λ through the blocks whose clip derivative is 1
+              (`_block_chain`; the check in plain JAX beforehand) and a parallel kernel (`_bwd_blocks`) forms
+              their per-token gradients from the λ it stored; else one kernel does both (`_block_adjoint`).
   num_stages: Triton num_stages.
   """
   block_t: int = 16       # H200, B=4 T=4096 G=16 K=128 (profile_osdn): 16/8 ran fwd 1.16 ms, fwd+bwd 3.00 ms;
@@ -103,6 +106,7 @@ class DPassBlocks:
   prefetch: bool = True     # H200 (kernel_times, B=4 T=4096 G=16 K=128, L=32, across runs): forward 0.475 → 0.360;
   prefetch_bwd: bool = False  # backward kernel 1.009 → 1.112 ms (more registers: three [L, K] tiles per block)
   tables: str = "kernel"
+  split_bwd: bool = False
   tables_dots: str = "ieee"  # "tf32x3": forward tables 0.566 → 0.402 ms, but forward+backward 2.83 → 3.91 ms
   num_stages: int = 1
 
@@ -133,7 +137,7 @@ class DPassBlocks:
 
 DEFAULT_BLOCKS = DPassBlocks()
 INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16,  # interpret mode: unrolling
-                               solve_t_init=16, prefetch_bwd=True)                   # costs compile time only
+                               solve_t_init=16, prefetch_bwd=True, split_bwd=True)  # costs compile time only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +286,10 @@ def _blocked(st) -> bool:
   return bool(st.solve_t) and not st.segments and st.length >= st.solve_t
 
 
+def _split_bwd(st) -> bool:
+  return _blocked(st) and st.blocks.split_bwd
+
+
 def _block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False):
   """carry ← body(i, fetch(i), carry) over the blocks i = 0 … nb − 1 (nb − 1 … 0 when reverse). With
   prefetch, block i's loads (everything but the carry, which they do not depend on) are issued
@@ -395,6 +403,40 @@ def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   return du, dbeta, dn, dr, d_o, lam0, ok
 
 
+def _block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
+  """λ_0 [K] of a block whose clip derivative is 1 throughout, from λ_L (lam): the dependency chain of
+  `_block_adjoint` alone. Only row 0 of Λ is needed: μ_0 = Q_0 λ_L + Σ_j Γ_j0 (g_j − c_j p_j u_j), then
+  λ_0 = a_0 μ_0 − c_0 p_0 u_0 + g_0 (a ≡ 1 without a retention). u, g [L, K], b, n, r [L] (r None: a ≡ 1),
+  tb [L, L], wb [L], gamma [L, L] or None."""
+  L, K = u.shape
+  first = lambda x: jnp.sum(jnp.where(iota(x.shape, 0) == 0, x, 0.0), axis=0)
+  p = jnp.sum(tb * jnp.sum(u * lam[None, :], axis=1)[None, :], axis=1) + wb
+  cp = st.eta * b * b / n * p
+  rest = g - cp[:, None] * u
+  if r is None:                                    # Γ_j0 = 1 for j > 0: λ_0 = λ_L + Σ_j (g_j − c_j p_j u_j)
+    return lam + jnp.sum(rest, axis=0)
+  col0 = jnp.sum(jnp.where(iota((L, L), 1) == 0, gamma, 0.0), axis=1)         # Γ_j0 (0 at j = 0)
+  mu0 = first(_through(r, L)[1]) * lam + jnp.sum(col0[:, None] * rest, axis=0)
+  return first(r) * mu0 + first(rest)
+
+
+def _adjoint_ok(st, u, n, beta, r, o, ds):
+  """[B, NB, G] int32 (plain JAX): 1 where the clip's derivative is 1 at every token and real channel of the
+  block, as `_block_adjoint` checks it; all 1 without bounds."""
+  s = jnp.sum(ds * u, axis=-1)
+  coef = st.eta * beta * (1.0 - beta * s) / n
+  anchor = 0.0 if o is None else o
+  keep = ds if r is None else anchor + r[..., None] * (ds - anchor)
+  m = _clip_grad(st, keep + coef[..., None] * u)
+  nb = st.length // st.solve_t
+  if m is None:
+    return jnp.ones((st.batch, nb, st.heads), jnp.int32)
+  good = m == 1.0
+  real = st.real(good.shape)
+  good = good if real is None else good | ~real
+  return jnp.all(osdn_tables.blocks_view(st, good), axis=(-2, -1)).astype(jnp.int32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Forward: ds [B, T, G, K] (the d each token writes with), d_{T+1} [B, G, K].
 # ---------------------------------------------------------------------------------------------------------
@@ -484,10 +526,11 @@ def _forward(st, u, n, beta, r, codes, d1, o):
 # ---------------------------------------------------------------------------------------------------------
 def _bwd_kernel(st, *refs):
   packed, blocked = st.segments > 0, _blocked(st)
-  (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref, tb_ref, wb_ref, gm_ref,
-   du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref) = _split(
+  split = _split_bwd(st)
+  (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref, tb_ref, wb_ref, gm_ref, ok_ref,
+   du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref, lam_ref) = _split(
        refs, True, True, True, st.has_r, packed, st.has_o, True, True, True, blocked, blocked,
-       blocked and st.has_r, True, True, True, st.has_r, True, st.has_o)
+       blocked and st.has_r, split, True, True, True, st.has_r, True, st.has_o, split)
   o = o_ref[...] if st.has_o else None
 
   def load(t):
@@ -532,12 +575,18 @@ def _bwd_kernel(st, *refs):
 
     def fetch(blk):
       rows = pl.ds(blk * L, L)
-      return (u_ref[rows, :], ds_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows],
+      return (u_ref[rows, :], None if split else ds_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows],
               r_ref[rows] if st.has_r else None, tb_ref[blk, :, :], wb_ref[blk, :],
               gm_ref[blk, :, :] if st.has_r else None)
 
     def block(blk, x, carry):
       u, d, g, b, n, r, tb, wb, gm = x
+      serial = lambda: _sequential_tokens(st, load, step, blk * L, L, bt, carry, reverse=True)
+      if split:                           # λ only; `_bwd_blocks` forms the block's gradients from λ_L
+        def chain():
+          lam_ref[blk, :] = carry[0]
+          return _block_chain(st, u, g, b, n, r, carry[0], tb, wb, gm), carry[1]
+        return lax.cond(ok_ref[blk] != 0, chain, serial)
       du, db, dn, dr, d_o, lam_prev, ok = _block_adjoint(st, u, d, g, b, n, r, o, carry[0], tb, wb, gm)
       rows = pl.ds(blk * L, L)
 
@@ -548,7 +597,6 @@ def _bwd_kernel(st, *refs):
         if st.has_r:
           dr_ref[rows] = dr
         return lam_prev, carry[1] + d_o if st.has_o else carry[1]
-      serial = lambda: _sequential_tokens(st, load, step, blk * L, L, bt, carry, reverse=True)
       return lax.cond(ok, accept, serial)
 
     carry = _sequential_tokens(st, load, step, nb * L, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
@@ -562,29 +610,105 @@ def _bwd_kernel(st, *refs):
 
 
 def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
-  packed = st.segments > 0
-  tables = []
+  packed, split = st.segments > 0, _split_bwd(st)
+  tables, ok = [], None
   if _blocked(st):
     tb, wb, gamma = osdn_tables.backward(st, u, n, beta, r, g_ds)
     tables = [tb, wb] + ([gamma] if st.has_r else [])
+  if split:
+    ok = _adjoint_ok(st, u, n, beta, r, o, ds)
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
-      ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables
+      ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables + ([ok] if split else [])
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
       ([_codes(st)] if packed else []) + ([_param_vec(st)] if st.has_o else []) + \
-      [_rows(st), _rows(st), _head_vec(st)] + (_table_specs(st) if tables else [])
+      [_rows(st), _rows(st), _head_vec(st)] + (_table_specs(st) if tables else []) + \
+      ([_per_block(st)] if split else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  nb = st.length // st.solve_t if split else 0
   rows, scal, vec = (jax.ShapeDtypeStruct(s, F32) for s in ((b, t, g, k), (b, t, g), (st.segments or b, g, k)))
   # dO per (batch, head) program: [B, G, K] even when packed (summed over B by the caller).
   out_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
-      [_head_vec(st)] + ([_batch_vec(st)] if st.has_o else [])
+      [_head_vec(st)] + ([_batch_vec(st)] if st.has_o else []) + ([_per_block(st, k)] if split else [])
   out_shape = [rows, scal, scal] + ([scal] if st.has_r else []) + [vec] + \
-      ([jax.ShapeDtypeStruct((b, g, k), F32)] if st.has_o else [])
+      ([jax.ShapeDtypeStruct((b, g, k), F32)] if st.has_o else []) + \
+      ([jax.ShapeDtypeStruct((b, nb, g, k), F32)] if split else [])
   outs = pallas_call(
       functools.partial(_bwd_kernel, st), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.solve_warps(k, _blocked(st)),
       num_stages=st.blocks.num_stages, name="osdn_d_pass_bwd")(*args)
-  du, dbeta, dn, dr, dd1, do = _split_outs(st, outs)
+  du, dbeta, dn, dr, dd1, do = _split_outs(st, outs[:len(outs) - split])
+  if split:
+    du, dbeta, dn, dr, do_blocks = _bwd_blocks(st, u, n, beta, r, o, ds, g_ds, tables, outs[-1], ok,
+                                               (du, dbeta, dn, dr))
+    if st.has_o:
+      do = do + jnp.sum(do_blocks, axis=1)
   return du, dn, dbeta, dr, dd1, None if do is None else jnp.sum(do, axis=0)
+
+
+def _per_block(st, k: int = 0):
+  """[B, NB, G] → [NB] (k = 0) or [B, NB, G, K] → [NB, K] for the (b, g) programs: one entry per block."""
+  nb = st.length // st.solve_t
+  if k:
+    return pl.BlockSpec((_SQ, nb, _SQ, k), lambda b, g: (b, 0, g, 0))
+  return pl.BlockSpec((_SQ, nb, _SQ), lambda b, g: (b, 0, g))
+
+
+def _bwd_blocks_kernel(st, *refs):
+  (u_ref, ds_ref, g_ref, b_ref, n_ref, r_ref, o_ref, tb_ref, wb_ref, gm_ref, lam_ref, ok_ref,
+   _du, _db, _dn, _dr, du_ref, db_ref, dn_ref, dr_ref, do_ref) = _split(
+       refs, True, True, True, True, True, st.has_r, st.has_o, True, True, st.has_r, True, True,
+       True, True, True, st.has_r, True, True, True, st.has_r, st.has_o)
+  ok = ok_ref[pl.program_id(2)] != 0
+  du, db, dn, dr, d_o, _, _ = _block_adjoint(
+      st, u_ref[...], ds_ref[...], g_ref[...], b_ref[...], n_ref[...], r_ref[...] if st.has_r else None,
+      o_ref[...] if st.has_o else None, lam_ref[...], tb_ref[...], wb_ref[...],
+      gm_ref[...] if st.has_r else None)
+
+  @pl.when(ok)
+  def _():
+    du_ref[...] = du
+    db_ref[...] = db
+    dn_ref[...] = dn
+    if st.has_r:
+      dr_ref[...] = dr
+  if st.has_o:
+    do_ref[...] = jnp.where(ok, d_o, 0.0)
+
+
+def _bwd_blocks(st, u, n, beta, r, o, ds, g_ds, tables, lam_blocks, ok, grads):
+  """The per-token gradients of every block that `_bwd_kernel` ran as a chain (ok), in parallel, grid
+  (B, G, NB), from each block's λ_L; the other rows of du, dβ, dn, dr are the sequential kernel's (the four
+  arrays are updated in place). Returns (du, dβ, dn, dr, per-block ∂d_init [B, NB, G, K] or None)."""
+  b, g, k = st.batch, st.heads, st.key_dim
+  L, nb = st.solve_t, st.length // st.solve_t
+  rows = pl.BlockSpec((_SQ, L, _SQ, k), lambda b, g, i: (b, i, g, 0))
+  scal = pl.BlockSpec((_SQ, L, _SQ), lambda b, g, i: (b, i, g))
+  square = pl.BlockSpec((_SQ, _SQ, _SQ, L, L), lambda b, g, i: (b, i, g, 0, 0))
+  vec_l = pl.BlockSpec((_SQ, _SQ, _SQ, L), lambda b, g, i: (b, i, g, 0))
+  vec_k = pl.BlockSpec((_SQ, _SQ, _SQ, k), lambda b, g, i: (b, i, g, 0))
+  du, dbeta, dn, dr = grads
+  has = lambda x: x is not None
+  args = [u, ds, g_ds, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + list(tables) + \
+      [lam_blocks, ok] + [x for x in (du, dbeta, dn, dr) if has(x)]
+  in_specs = [rows, rows, rows, scal, scal] + ([scal] if st.has_r else []) + \
+      ([pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0))] if st.has_o else []) + \
+      [square, vec_l] + ([square] if st.has_r else []) + \
+      [vec_k, pl.BlockSpec((_SQ, nb, _SQ), lambda b, g, i: (b, 0, g))] + \
+      [rows, scal, scal] + ([scal] if st.has_r else [])
+  n_grads = 3 + st.has_r
+  first = len(args) - n_grads
+  out_specs = [rows, scal, scal] + ([scal] if st.has_r else []) + ([vec_k] if st.has_o else [])
+  out_shape = [jax.ShapeDtypeStruct(x.shape, F32) for x in (du, dbeta, dn, dr) if has(x)] + \
+      ([jax.ShapeDtypeStruct((b, nb, g, k), F32)] if st.has_o else [])
+  outs = pallas_call(
+      functools.partial(_bwd_blocks_kernel, st), grid=(b, g, nb), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_solve,
+      num_stages=st.blocks.num_stages, name="osdn_d_pass_bwd_blocks",
+      input_output_aliases={first + i: i for i in range(n_grads)})(*args)
+  outs = list(outs)
+  du, dbeta, dn = outs[:3]
+  dr = outs[3] if st.has_r else None
+  return du, dbeta, dn, dr, (outs[-1] if st.has_o else None)
 
 
 def _split_outs(st, outs):
