@@ -408,7 +408,7 @@ def _block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
   `_block_adjoint` alone. Only row 0 of Λ is needed: μ_0 = Q_0 λ_L + Σ_j Γ_j0 (g_j − c_j p_j u_j), then
   λ_0 = a_0 μ_0 − c_0 p_0 u_0 + g_0 (a ≡ 1 without a retention). u, g [L, K], b, n, r [L] (r None: a ≡ 1),
   tb [L, L], wb [L], gamma [L, L] or None."""
-  L, K = u.shape
+  L = u.shape[0]
   first = lambda x: jnp.sum(jnp.where(iota(x.shape, 0) == 0, x, 0.0), axis=0)
   p = jnp.sum(tb * jnp.sum(u * lam[None, :], axis=1)[None, :], axis=1) + wb
   cp = st.eta * b * b / n * p
