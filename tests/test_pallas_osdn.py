@@ -161,10 +161,10 @@ def _block_inputs(seed, T=64, K=16):
 
 
 def test_block_solve_hypothesis():
-  """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with the reference tables) accept a block where
-  the clip never acts, with the forward values of the token-serial scan, and reject the blocks where it does
-  (the kernels then run them token by token); the kernel over all blocks matches the scan in values and
-  gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
+  """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with the reference tables) accept a
+  block where the clip never acts, with the forward values of the token-serial scan, and reject the blocks
+  where it does (the kernels then run them token by token); the kernel over all blocks matches the scan in
+  values and gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
   a, L, eta, hi = _block_inputs(0), 16, 1.0, 2.0
   st = osdn.Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
                    blocks=osdn.INTERPRET_BLOCKS, interpret=True)
@@ -340,8 +340,8 @@ def test_dispatch():
                                                      ("init", True, False), ("init", True, True)])
 def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   """Forward and backward (default GPU blocks: block solves and their table kernels for r ≡ 1 and anchor
-  "zero", token by token for "init" and packed; K = 128, T with a tail; packed: traced segment ids, per-segment d1 and last d) lower with the
-  Triton backend for CUDA to IR that passes MLIR verification."""
+  "zero", token by token for "init" and packed; K = 128, T with a tail; packed: traced segment ids,
+  per-segment d1 and last d) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
   sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)

@@ -296,9 +296,9 @@ def _grads_intra_kernel(st, *refs):
 
 
 def grads_intra(st: L.Static, k, v, beta, G, T, V_new, dV_new, do, dws):
-  """→ dv [B, T, HV, V] (in `Static.grad_dtype`), dβ's V part [B, HV, T], and the pair weights [B, HV, T, C]: decay none / scalar
-  scale·dM⊙Γ and dA⊙Γ in st.mm (for `grads_finish`); per channel raw scale·dM and dA in fp32 (for
-  `grads_pairs`)."""
+  """→ dv [B, T, HV, V] (in `Static.grad_dtype`), dβ's V part [B, HV, T], and the pair weights [B, HV, T, C]:
+  decay none / scalar scale·dM⊙Γ and dA⊙Γ in st.mm (for `grads_finish`); per channel raw scale·dM and dA in
+  fp32 (for `grads_pairs`)."""
   w = L.chunk_grid
   kd, vd = st.key_dim, st.value_dim
   in_specs = [L.tokens(st, kd, w, st.key_head), L.tokens(st, vd, w), L.vector(st, w)]
@@ -358,8 +358,9 @@ def _grads_finish_kernel(st, *refs):
 
 
 def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
-  """Decay none / scalar → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K part [NK, B, HV, T] and
-  (scalar) dG's intra-chunk part [NK, B, HV, T] (partial sums over the K blocks, None without decay)."""
+  """Decay none / scalar → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K
+  part [NK, B, HV, T] and (scalar) dG's intra-chunk part [NK, B, HV, T] (partial sums over the K blocks, None
+  without decay)."""
   bk = st.blocks.k_block("grad", st.key_dim)
   nk = st.key_dim // bk
   w = L.chunk_v_grid
@@ -464,8 +465,8 @@ def _grads_pairs_kernel(st, *refs):
 
 
 def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG_s):
-  """Per channel → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K part [NK, B, HV, T], dG
-  [B, T, HV, K]."""
+  """Per channel → (dq, dk, dk_write or None) [B, T, HV, K] (`Static.dq_dtype`, `.dkw_dtype`), dβ's K part
+  [NK, B, HV, T], dG [B, T, HV, K]."""
   bk = st.blocks.k_block("grad", st.key_dim)
   nk = st.key_dim // bk
   w = L.chunk_v_grid

@@ -55,7 +55,6 @@ from pallas_kernels.gpu.chunk_math import dot, iota, last_row
 from pallas_kernels.gpu.config import padded_dim, pallas_call
 from pallas_kernels.gpu.intra import decay_factor
 from pallas_kernels.gpu import osdn_tables
-from pallas_kernels.gpu.osdn_tables import log_retention as _log_retention
 
 F32 = jnp.float32
 MAX_KEY_DIM = 256                        # d [K] stays in registers
@@ -320,10 +319,8 @@ def _through(r, L: int):
   """(P, Q) [L] for a block's retentions r [L]: P_t = Π_{i<t} r_i, Q_t = Π_{t<i<L} r_i. Each is exp of a
   masked sum of log r (never a difference of cumulative sums, which would lose the small products next to a
   zero retention)."""
-  la = _log_retention(r)[None, :]
-  rows, cols = iota((L, L), 0), iota((L, L), 1)
-  return (jnp.exp(jnp.sum(jnp.where(cols < rows, la, 0.0), axis=1)),
-          jnp.exp(jnp.sum(jnp.where(cols > rows, la, 0.0), axis=1)))
+  la = osdn_tables.log_retention(r)
+  return osdn_tables.prefix_products(la, 0, L, True), osdn_tables.prefix_products(la, 0, L, False)
 
 
 def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
@@ -377,16 +374,9 @@ def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   """
   L, K = u.shape
   anchor = jnp.zeros_like(lam) if o is None else o
-  s = jnp.sum(d * u, axis=1)
-  coef = st.eta * b * (1.0 - b * s) / n
+  s, coef, good = _adjoint_check(st, d, u, b, n, r, anchor)
   c = st.eta * b * b / n
-  keep = d if r is None else anchor[None, :] + r[:, None] * (d - anchor[None, :])
-  mask = _clip_grad(st, keep + coef[:, None] * u)
-  if mask is None:
-    ok = True
-  else:
-    real = st.real(mask.shape)
-    ok = jnp.sum(jnp.where((mask == 1.0) if real is None else (mask == 1.0) | ~real, 0.0, 1.0)) == 0.0
+  ok = True if good is None else jnp.sum(jnp.where(good, 0.0, 1.0)) == 0.0
   if r is None:
     gamma = decay_factor(None, L, strict=True)
   p = jnp.sum(tb * jnp.sum(u * lam[None, :], axis=1)[None, :], axis=1) + wb
@@ -420,20 +410,26 @@ def _block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
   return first(r) * mu0 + first(rest)
 
 
+def _adjoint_check(st, d, u, b, n, r, anchor):
+  """(s, coef [...], good [..., K] or None) for rows d, u [..., K] (b, n, r [...]; r None: a ≡ 1; anchor [K]):
+  good where the clip's derivative at d̄_{t+1} is 1 or the channel is padding; None without bounds. Used in
+  a kernel ([L, K] rows) and in plain JAX ([B, T, G, K])."""
+  s = jnp.sum(d * u, axis=-1)
+  coef = st.eta * b * (1.0 - b * s) / n
+  keep = d if r is None else anchor + r[..., None] * (d - anchor)
+  mask = _clip_grad(st, keep + coef[..., None] * u)
+  if mask is None:
+    return s, coef, None
+  real = st.real(mask.shape)
+  return s, coef, (mask == 1.0) if real is None else (mask == 1.0) | ~real
+
+
 def _adjoint_ok(st, u, n, beta, r, o, ds):
   """[B, NB, G] int32 (plain JAX): 1 where the clip's derivative is 1 at every token and real channel of the
   block, as `_block_adjoint` checks it; all 1 without bounds."""
-  s = jnp.sum(ds * u, axis=-1)
-  coef = st.eta * beta * (1.0 - beta * s) / n
-  anchor = 0.0 if o is None else o
-  keep = ds if r is None else anchor + r[..., None] * (ds - anchor)
-  m = _clip_grad(st, keep + coef[..., None] * u)
-  nb = st.length // st.solve_t
-  if m is None:
-    return jnp.ones((st.batch, nb, st.heads), jnp.int32)
-  good = m == 1.0
-  real = st.real(good.shape)
-  good = good if real is None else good | ~real
+  _, _, good = _adjoint_check(st, ds, u, beta, n, r, jnp.zeros((st.key_dim,), F32) if o is None else o)
+  if good is None:
+    return jnp.ones((st.batch, st.length // st.solve_t, st.heads), jnp.int32)
   return jnp.all(osdn_tables.blocks_view(st, good), axis=(-2, -1)).astype(jnp.int32)
 
 
@@ -680,18 +676,15 @@ def _bwd_blocks(st, u, n, beta, r, o, ds, g_ds, tables, lam_blocks, ok, grads):
   (B, G, NB), from each block's λ_L; the other rows of du, dβ, dn, dr are the sequential kernel's (the four
   arrays are updated in place). Returns (du, dβ, dn, dr, per-block ∂d_init [B, NB, G, K] or None)."""
   b, g, k = st.batch, st.heads, st.key_dim
-  L, nb = st.solve_t, st.length // st.solve_t
-  rows = pl.BlockSpec((_SQ, L, _SQ, k), lambda b, g, i: (b, i, g, 0))
-  scal = pl.BlockSpec((_SQ, L, _SQ), lambda b, g, i: (b, i, g))
-  square = pl.BlockSpec((_SQ, _SQ, _SQ, L, L), lambda b, g, i: (b, i, g, 0, 0))
-  vec_l = pl.BlockSpec((_SQ, _SQ, _SQ, L), lambda b, g, i: (b, i, g, 0))
-  vec_k = pl.BlockSpec((_SQ, _SQ, _SQ, k), lambda b, g, i: (b, i, g, 0))
+  nb = st.length // st.solve_t
+  spec = osdn_tables.block_specs(st)
+  rows, scal, square, vec_l, vec_k = (spec[x] for x in ("rows", "scal", "square", "vec", "vec_k"))
   du, dbeta, dn, dr = grads
   has = lambda x: x is not None
   args = [u, ds, g_ds, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + list(tables) + \
       [lam_blocks, ok] + [x for x in (du, dbeta, dn, dr) if has(x)]
   in_specs = [rows, rows, rows, scal, scal] + ([scal] if st.has_r else []) + \
-      ([pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0))] if st.has_o else []) + \
+      ([spec["param"]] if st.has_o else []) + \
       [square, vec_l] + ([square] if st.has_r else []) + \
       [vec_k, pl.BlockSpec((_SQ, nb, _SQ), lambda b, g, i: (b, 0, g))] + \
       [rows, scal, scal] + ([scal] if st.has_r else [])

@@ -107,8 +107,10 @@ def _gamma_block(la, a: int, m: int, s: int):
   return masked_exp(jnp.sum(jnp.where((j < i) & (i < t), la[None, None, :], 0.0), axis=2), mask)
 
 
-def _prefix_products(la, a: int, s: int, before: bool):
-  """[s] for the rows t of sub-block a: Π_{i<t} a_i (before) or Π_{t<i} a_i (else), from la [L]."""
+def prefix_products(la, a: int, s: int, before: bool):
+  """[s] for the rows t of sub-block a (rows a·s …): Π_{i<t} a_i (before) or Π_{t<i} a_i (else), i < L, from
+  la [L] = log a (exp of masked sums: never a difference of cumulative sums, which would lose the small
+  products next to a zero retention)."""
   L = la.shape[0]
   t, i = a * s + iota((s, L), 0), iota((s, L), 1)
   return jnp.exp(jnp.sum(jnp.where(i < t if before else i > t, la[None, :], 0.0), axis=1))
@@ -146,7 +148,7 @@ def _tables_kernel(st, backward: bool, *refs):
       for m in range(nsub):
         gm[0][rows(a), rows(m)] = gamma[a, m] if m <= a else jnp.zeros((s, s), F32)
   if not backward:
-    P = None if la is None else sum(_place(_prefix_products(la, a, s, True), a, L) for a in range(nsub))
+    P = None if la is None else sum(_place(prefix_products(la, a, s, True), a, L) for a in range(nsub))
     rhs = []
     for a in range(nsub):
       x = sum(jnp.sum(M[a, m] * (st.eta * b[m] / n[m])[None, :], axis=1) for m in range(a + 1))
@@ -164,23 +166,34 @@ def _tables_kernel(st, backward: bool, *refs):
     for a in range(nsub):
       y = sum(jnp.sum(gamma[m, a] * dot(g[m], u[a], tb=True), axis=0) for m in range(a, nsub))
       wb = wb + jnp.sum(X[a] * y[:, None], axis=0)
-      scaled = X[a] if la is None else _prefix_products(la, a, s, False)[:, None] * X[a]
+      scaled = X[a] if la is None else prefix_products(la, a, s, False)[:, None] * X[a]
       t_ref[:, rows(a)] = scaled.T
     w_ref[...] = wb
 
 
+def block_specs(st):
+  """BlockSpecs of one block of L tokens for a grid (b, g, i) over (B, G, NB): rows of [B, T, G, K] → [L, K],
+  scalars [B, T, G] → [L], tables [B, NB, G, L, L] → [L, L] and [B, NB, G, L] → [L], per-block vectors
+  [B, NB, G, K] → [K], per-head parameters [G, K] → [K]."""
+  L, k = st.solve_t, st.key_dim
+  return dict(rows=pl.BlockSpec((_SQ, L, _SQ, k), lambda b, g, i: (b, i, g, 0)),
+              scal=pl.BlockSpec((_SQ, L, _SQ), lambda b, g, i: (b, i, g)),
+              square=pl.BlockSpec((_SQ, _SQ, _SQ, L, L), lambda b, g, i: (b, i, g, 0, 0)),
+              vec=pl.BlockSpec((_SQ, _SQ, _SQ, L), lambda b, g, i: (b, i, g, 0)),
+              vec_k=pl.BlockSpec((_SQ, _SQ, _SQ, k), lambda b, g, i: (b, i, g, 0)),
+              param=pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0)))
+
+
 def _call(st, backward: bool, u, n, beta, r, extra):
-  b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  b, t, g = st.batch, st.length, st.heads
   L = st.solve_t
   nb = t // L
-  rows = pl.BlockSpec((_SQ, L, _SQ, k), lambda b, g, i: (b, i, g, 0))
-  scal = pl.BlockSpec((_SQ, L, _SQ), lambda b, g, i: (b, i, g))
-  square = pl.BlockSpec((_SQ, _SQ, _SQ, L, L), lambda b, g, i: (b, i, g, 0, 0))
-  vec = pl.BlockSpec((_SQ, _SQ, _SQ, L), lambda b, g, i: (b, i, g, 0))
+  spec = block_specs(st)
+  rows, scal, square, vec = spec["rows"], spec["scal"], spec["square"], spec["vec"]
   args = [u, beta, n] + ([r] if st.has_r else []) + ([extra] if extra is not None else [])
   in_specs = [rows, scal, scal] + ([scal] if st.has_r else [])
   if extra is not None:
-    in_specs.append(rows if backward else pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0)))
+    in_specs.append(rows if backward else spec["param"])
   sq, v = (jax.ShapeDtypeStruct(x, F32) for x in ((b, nb, g, L, L), (b, nb, g, L)))
   return pallas_call(
       functools.partial(_tables_kernel, st, backward), grid=(b, g, nb), in_specs=in_specs,
