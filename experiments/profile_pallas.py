@@ -33,12 +33,14 @@ from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
-    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False)],
-    "state_pass": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
+    "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False),
+             dict(sub=32), dict(stages=1), dict(stages=3), dict(fp32_dots="ieee")],
+    "state_pass": [dict(block_v_state=16), dict(block_v_state=64), dict(block_v_state=32, warps_state=2),
+                   dict(warps_state=8), dict(stages=3)],
     "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
     "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
     "inverse (T only)": [dict(warps_prep=2), dict(warps_prep=8)],
-    "output": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False)],
+    "output": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False), dict(stages=3)],
     "dv_local": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False)],
     "grads_state": [dict(warps_grad_state=8), dict(block_k_grad=32), dict(block_k_grad=128, warps_grad_state=8),
                     dict(block_v_grad=32), dict(block_v_grad=128)],
@@ -149,13 +151,16 @@ def main():
   ap.add_argument("--sweep", nargs="?", const="all", default="",
                   help="also time kernels under the SWEEPS overrides: all, or a comma list of kernel names")
   ap.add_argument("--census", action="store_true", help="print the static per-program census and exit")
+  ap.add_argument("--blocks", default="", help="BlockSizes overrides for the whole run, e.g. "
+                  "warps_prep=2,block_v_state=64 (ints, or strings for fp32_dots)")
   a = ap.parse_args()
   b, t, h, d = map(int, a.shape.split(","))
-  blocks = DEFAULT_BLOCKS
+  over = dict(kv.split("=") for kv in a.blocks.split(",") if kv)
+  blocks = dataclasses.replace(DEFAULT_BLOCKS, **{k: (v if k == "fp32_dots" else int(v)) for k, v in over.items()})
   st = make_static(b, t, h, d, a.decay, a.chunk, blocks)
   x = make_inputs(b, t, h, d, a.decay, a.chunk)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay} "
-        f"chunk={a.chunk}", flush=True)
+        f"chunk={a.chunk} blocks={a.blocks or 'default'}", flush=True)
   if a.census:
     inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
     rows = census(lambda *r: fwd.forward(st, *r, emit_t=True), *inputs)

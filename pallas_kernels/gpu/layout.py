@@ -223,7 +223,7 @@ def lane_grid(lane, h, iv):
 
 def state_pass_grid(st: Static):
   """(grid, where) of the sequential state passes: (B, HV, V/bv), packed (N lanes, HV, V/bv)."""
-  bv = st.blocks.v_block("state", st.value_dim)
+  bv = st.blocks.v_block("state", st.value_dim, st.key_dim)
   lead = st.segments or st.batch
   return (lead, st.value_heads, st.value_dim // bv), (lane_grid if st.segments else seq_grid)
 
