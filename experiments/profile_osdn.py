@@ -64,14 +64,15 @@ def main():
                   "token) and their warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
   ap.add_argument("--warps", type=int, default=None)
   ap.add_argument("--stages", type=int, default=1)
-  ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+  ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                   help="the forward's block-solve loop loads the next block early (DPassBlocks.prefetch)")
-  ap.add_argument("--prefetch-bwd", action=argparse.BooleanOptionalAction, default=False,
+  ap.add_argument("--prefetch-bwd", action=argparse.BooleanOptionalAction, default=None,
                   help="the same for the backward (DPassBlocks.prefetch_bwd)")
-  ap.add_argument("--tables", default="kernel", choices=("kernel", "xla"), help="DPassBlocks.tables")
-  ap.add_argument("--split-bwd", action=argparse.BooleanOptionalAction, default=False,
+  ap.add_argument("--tables", default=None, choices=("kernel", "xla"), help="DPassBlocks.tables")
+  ap.add_argument("--split-bwd", action=argparse.BooleanOptionalAction, default=None,
                   help="λ-only sequential backward + parallel block gradients (DPassBlocks.split_bwd)")
-  ap.add_argument("--tables-dots", default="ieee", choices=("ieee", "tf32x3"), help="DPassBlocks.tables_dots")
+  ap.add_argument("--warps-tables", type=int, default=None, help="DPassBlocks.warps_tables (default: the kernel's)")
+  ap.add_argument("--tables-dots", default=None, choices=("ieee", "tf32x3"), help="DPassBlocks.tables_dots")
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
   ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
                   help="APF retention r (else r ≡ 1, vanilla OSDN)")
@@ -84,19 +85,22 @@ def main():
   interpret = jax.default_backend() == "cpu"
   base = osdn.INTERPRET_BLOCKS if interpret else osdn.DEFAULT_BLOCKS
   full = (base.block_t, base.block_t_bwd, base.solve_t, base.warps_solve)
+  for name in ("prefetch", "prefetch_bwd", "tables", "tables_dots", "split_bwd", "warps_tables"):
+    if getattr(a, name) is None:                      # unset flags: the kernel's defaults
+      setattr(a, name, getattr(base, name))
 
   def blocks_of(text):   # F/B[/S[/W]]: S sets the block solve with and without a retention
     bf, bb, bs, ws = tuple(map(int, text.split("/"))) + full[len(text.split("/")):]
     return text, osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, solve_t=bs, solve_t_apf=bs, solve_t_init=bs,
                                   warps_solve=ws, num_warps=a.warps, num_stages=a.stages, prefetch=a.prefetch,
                                   prefetch_bwd=a.prefetch_bwd, tables=a.tables, tables_dots=a.tables_dots,
-                                  split_bwd=a.split_bwd)
+                                  split_bwd=a.split_bwd, warps_tables=a.warps_tables)
   configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", base)]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
         f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages} "
         f"prefetch={a.prefetch}/{a.prefetch_bwd} tables={a.tables} tables_dots={a.tables_dots} "
-        f"split_bwd={a.split_bwd}", flush=True)
+        f"split_bwd={a.split_bwd} warps_tables={a.warps_tables}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)

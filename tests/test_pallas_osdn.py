@@ -173,18 +173,20 @@ def test_block_solve_hypothesis():
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], None, None)
   g = jnp.asarray(np.random.default_rng(1).normal(size=ds.shape), F32)
   wb = osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma)
-  fwd_ok, bwd_ok = [], []
+  fwd_ok, smooth_ok, bwd_ok = [], [], []
   for i in range(4):
     sl = slice(i * L, (i + 1) * L)
     u, b, n = a["u"][0, sl, 0], a["beta"][0, sl, 0], a["n"][0, sl, 0]
-    D, d_next, ok = osdn._block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0], None)
+    D, d_next, ok, smooth = osdn._block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0],
+                                              None)
     fwd_ok.append(bool(ok))
+    smooth_ok.append(bool(smooth))
     if ok:
       np.testing.assert_allclose(D, ds[0, sl, 0], rtol=2e-6, atol=2e-6)
       np.testing.assert_allclose(d_next, ds[0, (i + 1) * L, 0], rtol=2e-6, atol=2e-6)
     bwd_ok.append(bool(osdn._block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
                                            tb[0, i, 0], wb[0, i, 0], None)[-1]))
-  assert fwd_ok == bwd_ok == [True, False, False, False], (fwd_ok, bwd_ok)
+  assert fwd_ok == smooth_ok == bwd_ok == [True, False, False, False], (fwd_ok, smooth_ok, bwd_ok)
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
   got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
   _assert_close(got, want, names)
@@ -198,8 +200,11 @@ def test_block_solve_hypothesis():
   wb = osdn_tables.adjoint_rhs_reference(st12, u12, pad(g), inv_b, gamma)
   d12 = pad(a["d1"])[0, 0]
   sl = slice(0, L)
-  assert osdn._block_solve(st12, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tf[0, 0, 0],
-                           wf[0, 0, 0], None)[-1]
+  solve = lambda st: osdn._block_solve(st, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12,
+                                       tf[0, 0, 0], wf[0, 0, 0], None)
+  assert solve(st12)[2] and solve(st12)[3]            # ok and smooth (the split backward's flag)
+  assert solve(dataclasses.replace(st12, channels=0))[2]             # d̄ = d_min counts as inside …
+  assert not solve(dataclasses.replace(st12, channels=0))[3]         # … but not as smooth (∂clip = ½ there)
   assert osdn._block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
                              a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0],
                              None)[-1]
@@ -339,8 +344,8 @@ def test_dispatch():
 @pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("zero", True, False),
                                                      ("init", True, False), ("init", True, True)])
 def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
-  """Forward and backward (default GPU blocks: block solves and their table kernels for r ≡ 1 and anchor
-  "zero", token by token for "init" and packed; K = 128, T with a tail; packed: traced segment ids,
+  """Forward and backward (default GPU blocks: block solves and their table kernels unpacked, token by token
+  packed; K = 128, T with a tail; packed: traced segment ids,
   per-segment d1 and last d) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
@@ -357,7 +362,7 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
-  blocked = not packed and anchor != "init"
+  blocked = not packed
   assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_tables(" in ir) == blocked
   assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified

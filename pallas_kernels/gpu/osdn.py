@@ -29,7 +29,10 @@ block; Γ of the retentions as masked sums of log r); the kernels then run one b
 over K, one [L, L] × [L, K] product and a check (`_block_solve`: every d̄_{t+1} inside the bounds;
 `_block_adjoint`: the clip's derivative 1 throughout). A block that fails its check runs token by token as
 above (`lax.cond`), so results are those of the token-serial recurrence, with block rounding, whatever the
-gates.
+gates. Split backward (`DPassBlocks.split_bwd`, the default): the forward also flags each block whose clip
+derivative is 1 throughout (every d̄_{t+1} strictly inside the bounds); the backward's sequential kernel then
+carries only λ through those blocks (`_block_chain`: one [L] solve and two sums per block) and stores the λ
+entering each, and a parallel kernel over all blocks (`_bwd_blocks`) forms their per-token gradients.
 
 Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first
 token and d_{T+1} of the segment is stored at its last; in reverse, λ restarts from the segment's d_{T+1}
@@ -84,29 +87,27 @@ class DPassBlocks:
               plain-JAX reference: batched triangular solves).
   tables_dots: how the table kernel's fp32 dots run: "ieee" or "tf32x3" (`chunk_math.fp32_dots`; rounding only).
   split_bwd:  the backward's sequential kernel carries only λ through the blocks whose clip derivative is 1
-              (`_block_chain`; the check in plain JAX beforehand) and a parallel kernel (`_bwd_blocks`) forms
+              (`_block_chain`; the forward kernel flags those blocks) and a parallel kernel (`_bwd_blocks`) forms
               their per-token gradients from the λ it stored; else one kernel does both (`_block_adjoint`).
   num_stages: Triton num_stages.
   """
   block_t: int = 16       # H200, B=4 T=4096 G=16 K=128 (profile_osdn): 16/8 ran fwd 1.16 ms, fwd+bwd 3.00 ms;
   block_t_bwd: int = 8     # 32/16 1.48 / 3.89; 64/32 1.48 / 4.13
-  # H200, B=4 T=4096 G=16 K=128 (profile_osdn, fwd / fwd+bwd ms, each group one run; token by token → block
-  # solve). Plain-JAX tables, timings synchronised per call: r ≡ 1 1.469 / 3.130 → 1.230 / 2.776 at 16, 1.177 /
-  # 2.569 at 32; "zero" 1.536 / 3.330 → 1.493 / 3.082 at 16; "init" 1.230 / 2.925 → 1.427 / 3.204 at 16, 1.747 /
-  # 3.421 at 32. Table kernel, synchronised: "zero" 1.580 / 3.965 at 16, 1.714 / 4.139 at 32; "init" 1.675 /
-  # 3.521 → 2.051 / 3.955 at 16, 1.598 / 4.363 at 32. Table kernel, back-to-back: r ≡ 1 1.172 / 2.931 → 1.054 /
-  # 2.822 at 32.
+  # H200, B=4 T=4096 G=16 K=128 (profile_osdn --trace, fwd / fwd+bwd ms, each group one run, K-looped table
+  # kernel, split backward): r ≡ 1 L = 32 0.690 / 1.957; "zero" L = 16 0.780 / 2.327, L = 32 0.960 / 2.704;
+  # "init" token by token 0.946 / 2.586, L = 16 0.806 / 2.412, L = 32 1.115 / 2.898. (Earlier, synchronised
+  # per call, plain-JAX tables: r ≡ 1 token by token 1.469 / 3.130, L = 32 1.177 / 2.569.)
   solve_t: int = 32
   solve_t_apf: int = 16
-  solve_t_init: int = 0
+  solve_t_init: int = 16
   num_warps: int | None = None
   warps_solve: int = 4
   warps_tables: int = 4
   prefetch: bool = True     # H200 (kernel_times, B=4 T=4096 G=16 K=128, L=32, across runs): forward 0.475 → 0.360;
   prefetch_bwd: bool = False  # backward kernel 1.009 → 1.112 ms (more registers: three [L, K] tiles per block)
   tables: str = "kernel"
-  split_bwd: bool = False
-  tables_dots: str = "ieee"  # "tf32x3": forward tables 0.566 → 0.402 ms, but forward+backward 2.83 → 3.91 ms
+  split_bwd: bool = True   # H200 (profile_osdn --trace, r ≡ 1, L = 32, one run): fwd+bwd 2.687 → 2.350 ms
+  tables_dots: str = "ieee"  # "tf32x3" (K-looped table kernel, one run): forward 0.690 → 0.755, fwd+bwd 1.957 → 2.041
   num_stages: int = 1
 
   def __post_init__(self):
@@ -334,7 +335,9 @@ def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   triangular matrix depends on the inputs only, so `osdn_tables.forward` forms it for every block in parallel:
   tf = (I + M diag(c))⁻¹ diag(P) and wf = (I + M diag(c))⁻¹ (U o + M α). Here: s = tf U δ_0 + wf and
   D = (d_t)_t = o + P ⊗ δ_0 + (Γ diag(coef)) U, then every d̄_{t+1} = o + a_t (d_t − o) + coef_t u_t is checked
-  inside [d_min, d_max] (NaN fails; padded channels are not checked). Returns (D [L, K], d_L [K], ok).
+  inside [d_min, d_max] (NaN fails; padded channels are not checked). Returns (D [L, K], d_L [K], ok, smooth):
+  smooth when, besides, the clip's derivative is 1 at every d̄_{t+1} (strictly inside the bounds; `_clip_grad`),
+  which is what the split backward's block path needs (`_block_chain`, `_bwd_blocks`).
 
   u [L, K], b, n, r [L] (r None: a ≡ 1), o [K] or None, d [K], tf [L, L], wf [L], gamma [L, L] or None (r None).
   """
@@ -352,9 +355,10 @@ def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   keep = D if r is None else anchor[None, :] + r[:, None] * (D - anchor[None, :])
   d_bar = keep + coef[:, None] * u
   inside = (d_bar >= lo) & (d_bar <= hi)
+  strict = (d_bar > lo) & (d_bar < hi)
   real = st.real(inside.shape)
-  bad = jnp.sum(jnp.where(inside if real is None else inside | ~real, 0.0, 1.0))
-  return D, _clip(st, last_row(d_bar)), bad == 0.0
+  count = lambda good: jnp.sum(jnp.where(good if real is None else good | ~real, 0.0, 1.0))
+  return D, _clip(st, last_row(d_bar)), count(inside) == 0.0, count(strict) == 0.0
 
 
 def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
@@ -412,8 +416,7 @@ def _block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
 
 def _adjoint_check(st, d, u, b, n, r, anchor):
   """(s, coef [...], good [..., K] or None) for rows d, u [..., K] (b, n, r [...]; r None: a ≡ 1; anchor [K]):
-  good where the clip's derivative at d̄_{t+1} is 1 or the channel is padding; None without bounds. Used in
-  a kernel ([L, K] rows) and in plain JAX ([B, T, G, K])."""
+  good where the clip's derivative at d̄_{t+1} is 1 or the channel is padding; None without bounds."""
   s = jnp.sum(d * u, axis=-1)
   coef = st.eta * b * (1.0 - b * s) / n
   keep = d if r is None else anchor + r[..., None] * (d - anchor)
@@ -424,22 +427,14 @@ def _adjoint_check(st, d, u, b, n, r, anchor):
   return s, coef, (mask == 1.0) if real is None else (mask == 1.0) | ~real
 
 
-def _adjoint_ok(st, u, n, beta, r, o, ds):
-  """[B, NB, G] int32 (plain JAX): 1 where the clip's derivative is 1 at every token and real channel of the
-  block, as `_block_adjoint` checks it; all 1 without bounds."""
-  _, _, good = _adjoint_check(st, ds, u, beta, n, r, jnp.zeros((st.key_dim,), F32) if o is None else o)
-  if good is None:
-    return jnp.ones((st.batch, st.length // st.solve_t, st.heads), jnp.int32)
-  return jnp.all(osdn_tables.blocks_view(st, good), axis=(-2, -1)).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Forward: ds [B, T, G, K] (the d each token writes with), d_{T+1} [B, G, K].
 # ---------------------------------------------------------------------------------------------------------
 def _fwd_kernel(st, *refs):
   packed, blocked = st.segments > 0, _blocked(st)
-  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, tf_ref, wf_ref, gm_ref, ds_ref, dl_ref = _split(
-      refs, True, True, True, st.has_r, packed, True, st.has_o, blocked, blocked, blocked and st.has_r, True, True)
+  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, tf_ref, wf_ref, gm_ref, ds_ref, dl_ref, sm_ref = _split(
+      refs, True, True, True, st.has_r, packed, True, st.has_o, blocked, blocked, blocked and st.has_r, True, True,
+      _split_bwd(st))
   o = o_ref[...] if st.has_o else None
 
   def load(t):
@@ -476,12 +471,18 @@ def _fwd_kernel(st, *refs):
 
     def block(i, x, d):
       u, b, n, r, tf, wf, gm = x
-      D, d_next, ok = _block_solve(st, u, b, n, r, o, d, tf, wf, gm)
+      D, d_next, ok, smooth = _block_solve(st, u, b, n, r, o, d, tf, wf, gm)
 
       def accept():
         ds_ref[pl.ds(i * L, L), :] = D
+        if sm_ref is not None:
+          sm_ref[i] = smooth.astype(jnp.int32)
         return d_next
-      serial = lambda: _sequential_tokens(st, load, step, i * L, L, bt, d)
+
+      def serial():                       # the split backward runs such a block token by token too
+        if sm_ref is not None:
+          sm_ref[i] = jnp.int32(0)
+        return _sequential_tokens(st, load, step, i * L, L, bt, d)
       return lax.cond(ok, accept, serial)
 
     d = _block_loop(nb, fetch, block, d1, prefetch=st.blocks.prefetch)
@@ -508,11 +509,13 @@ def _forward(st, u, n, beta, r, codes, d1, o):
       ([_codes(st)] if packed else []) + [_head_vec(st)] + ([_param_vec(st)] if st.has_o else []) + \
       (_table_specs(st) if tables else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  split = _split_bwd(st)
   return pallas_call(
       functools.partial(_fwd_kernel, st), grid=(b, g), in_specs=in_specs,
-      out_specs=[_rows(st), _head_vec(st)],
+      out_specs=[_rows(st), _head_vec(st)] + ([_per_block(st)] if split else []),
       out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
-                 jax.ShapeDtypeStruct((st.segments or b, g, k), F32)],
+                 jax.ShapeDtypeStruct((st.segments or b, g, k), F32)] +
+      ([jax.ShapeDtypeStruct((b, t // st.solve_t, g), jnp.int32)] if split else []),
       interpret=st.interpret, num_warps=st.blocks.solve_warps(k, _blocked(st)), num_stages=st.blocks.num_stages,
       name="osdn_d_pass_fwd")(*args)
 
@@ -605,14 +608,14 @@ def _bwd_kernel(st, *refs):
     do_ref[...] = acc_o
 
 
-def _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last):
+def _backward(st, u, n, beta, r, codes, o, ds, smooth, g_ds, g_last):
+  """smooth [B, NB, G] int32 (split backward only, else None): the forward's per-block flag, 1 where the clip's
+  derivative is 1 throughout the block (`_block_solve`); those blocks run as a λ chain here."""
   packed, split = st.segments > 0, _split_bwd(st)
-  tables, ok = [], None
+  tables, ok = [], smooth
   if _blocked(st):
     tb, wb, gamma = osdn_tables.backward(st, u, n, beta, r, g_ds)
     tables = [tb, wb] + ([gamma] if st.has_r else [])
-  if split:
-    ok = _adjoint_ok(st, u, n, beta, r, o, ds)
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
       ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables + ([ok] if split else [])
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
@@ -716,18 +719,18 @@ def _split_outs(st, outs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _d_pass(st: Static, u, n, beta, r, codes, d1, o):
-  return tuple(_forward(st, u, n, beta, r, codes, d1, o))
+  return tuple(_forward(st, u, n, beta, r, codes, d1, o)[:2])
 
 
 def _d_pass_fwd(st, u, n, beta, r, codes, d1, o):
-  ds, d_last = _forward(st, u, n, beta, r, codes, d1, o)
-  return (ds, d_last), (u, n, beta, r, codes, o, ds)
+  ds, d_last, *smooth = _forward(st, u, n, beta, r, codes, d1, o)
+  return (ds, d_last), (u, n, beta, r, codes, o, ds, smooth[0] if smooth else None)
 
 
 def _d_pass_bwd(st, res, cts):
-  u, n, beta, r, codes, o, ds = res
+  u, n, beta, r, codes, o, ds, smooth = res
   g_ds, g_last = cts
-  du, dn, dbeta, dr, dd1, do = _backward(st, u, n, beta, r, codes, o, ds, g_ds, g_last)
+  du, dn, dbeta, dr, dd1, do = _backward(st, u, n, beta, r, codes, o, ds, smooth, g_ds, g_last)
   return du, dn, dbeta, dr, None, dd1, do
 
 

@@ -9,12 +9,16 @@ and Γ itself (only with a retention). (I + Mᵀ diag(c)) = (I + diag(c) M)ᵀ, 
 triangular inverses (I + A)⁻¹ with A = M diag(c) or diag(c) M.
 
 `reference` is the plain-JAX oracle (batched triangular solves over all blocks). `forward` / `backward` are
-one Pallas kernel, grid (B, G, NB), one program per block: U Uᵀ as [16, K] × [K, 16] dots, (I + A)⁻¹ by 16×16
-forward substitution and block merge (`intra.inverse_rows`: no triangular solve inside kernels), products
-of retentions as exp of masked sums of log a (never differences of cumulative sums, which lose the small
-products next to a zero retention). H200, B=4 T=4096 G=16 K=128, L = 32, r ≡ 1: the kernel takes 0.55 ms
-forward and 0.73 ms backward of device time (`experiments.kernel_times`); it was not compared with the
-reference on the device trace (per-call synchronised timings of the two were within their noise).
+one Pallas kernel, grid (B, G, NB), one program per block: U Uᵀ as [16, 16] sub-block dots summed over a loop
+on K (`_row_products`), (I + A)⁻¹ by 16×16 forward substitution and block merge (`intra.inverse_rows`: no
+triangular solve inside kernels), products of retentions as exp of masked sums of log a (never differences of
+cumulative sums, which lose the small products next to a zero retention).
+
+H200, B=4 T=4096 G=16 K=128, L = 32, r ≡ 1, device time per call (`profile_osdn --trace`, one run): forward
+0.309 ms, backward 0.557 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward and
+about 0.23 ms more in the backward. Before the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per
+thread, 255 registers, 113 MB of spill loads per call, 12 % occupancy) the kernel took 0.546 / 0.707 ms; with the
+loop ncu shows 64 registers, no spills, 48 % occupancy. TF32×3 dots and num_stages 2 or 3 did not help.
 
 Shapes: u, g_ds [B, T, G, K] (K padded), n, beta, r [B, T, G], o [G, K]; only the first NB·L tokens are used
 (NB = T // L); tables [B, NB, G, L, L] and [B, NB, G, L]. fp32.
@@ -122,6 +126,29 @@ def _place(x, a: int, length: int):
   return jnp.sum(jnp.where(iota((s, length), 1) == iota((s, length), 0) + a * s, x[:, None], 0.0), axis=0)
 
 
+KC = 16                                  # columns per step of the K loop of `_row_products`
+
+
+def _row_products(pairs, s: int, kdim: int):
+  """[Σ_c x[a·s + i, c] y[m·s + j, c]]_ij [s, s] for each (x_ref, a, y_ref, m) in pairs (a list in their
+  order): one fori_loop over K in chunks of KC columns, so only [s, KC] tiles are live. (A dot over all K at once makes Triton's FMA dot
+  hold whole K-rows per thread: 255 registers and spills on the H200 at K = 128.)"""
+  chunks = max(kdim // KC, 1)
+  width = kdim // chunks
+
+  def step(j, acc):
+    cols = pl.ds(pl.multiple_of(j * width, width), width)
+    tiles = {}
+
+    def tile(ref, a):
+      if (id(ref), a) not in tiles:
+        tiles[id(ref), a] = ref[pl.ds(a * s, s), cols].astype(F32)
+      return tiles[id(ref), a]
+    return tuple(x + dot(tile(xr, a), tile(yr, m), tb=True) for x, (xr, a, yr, m) in zip(acc, pairs))
+  zeros = tuple(jnp.zeros((s, s), F32) for _ in pairs)
+  return list(lax.fori_loop(0, chunks, step, zeros))
+
+
 def _tables_kernel(st, backward: bool, *refs):
   has_o = st.has_o and not backward
   n_in = 3 + st.has_r + has_o + backward
@@ -134,13 +161,17 @@ def _tables_kernel(st, backward: bool, *refs):
   L, s = st.solve_t, SUB
   nsub = L // s
   rows = lambda a: pl.ds(a * s, s)
-  u = [u_ref[rows(a), :] for a in range(nsub)]
   b = [b_ref[rows(a)] for a in range(nsub)]
   n = [n_ref[rows(a)] for a in range(nsub)]
   c = [st.eta * bb * bb / nn for bb, nn in zip(b, n)]
   la = log_retention(r_ref[...]) if st.has_r else None
   gamma = {(a, m): _gamma_block(la, a, m, s) for a in range(nsub) for m in range(a + 1)}
-  M = {(a, m): dot(u[a], u[m], tb=True) * gamma[a, m] for a, m in gamma}
+  pairs = list(gamma)                                                # (a, m), m ≤ a
+  # The backward's ⟨u_t, g_j⟩ blocks (g rows m ≥ u rows a) share the K loop (one pass over u).
+  prods = _row_products([(u_ref, a, u_ref, m) for a, m in pairs] +
+                        ([(g_ref, a, u_ref, m) for a, m in pairs] if backward else []), s, st.key_dim)
+  M = {am: x * gamma[am] for am, x in zip(pairs, prods)}
+  gu = dict(zip(pairs, prods[len(pairs):]))                           # gu[m, a] = G_m U_aᵀ, m ≥ a
   A = {(a, m): (c[a][:, None] * x if backward else x * c[m][None, :]) for (a, m), x in M.items()}
   X = inverse_rows(A, nsub, s)                                        # block rows [s, L] of (I + A)⁻¹
   if gm:
@@ -153,7 +184,7 @@ def _tables_kernel(st, backward: bool, *refs):
     for a in range(nsub):
       x = sum(jnp.sum(M[a, m] * (st.eta * b[m] / n[m])[None, :], axis=1) for m in range(a + 1))
       if has_o:
-        x = x + jnp.sum(u[a] * o_ref[...][None, :], axis=1)
+        x = x + jnp.sum(u_ref[rows(a), :] * o_ref[...][None, :], axis=1)
       rhs.append(x)
     rhs = sum(_place(x, a, L) for a, x in enumerate(rhs))
     for a in range(nsub):
@@ -161,10 +192,9 @@ def _tables_kernel(st, backward: bool, *refs):
       w_ref[rows(a)] = jnp.sum(X[a] * rhs[None, :], axis=1)
   else:
     # (I + Mᵀ diag(c))⁻¹ = Xᵀ: its column block a is X[a]ᵀ; y_t = Σ_{j>t} Γ_jt ⟨u_t, g_j⟩.
-    g = [g_ref[rows(a), :] for a in range(nsub)]
     wb = 0.0
     for a in range(nsub):
-      y = sum(jnp.sum(gamma[m, a] * dot(g[m], u[a], tb=True), axis=0) for m in range(a, nsub))
+      y = sum(jnp.sum(gamma[m, a] * gu[m, a], axis=0) for m in range(a, nsub))
       wb = wb + jnp.sum(X[a] * y[:, None], axis=0)
       scaled = X[a] if la is None else prefix_products(la, a, s, False)[:, None] * X[a]
       t_ref[:, rows(a)] = scaled.T
