@@ -131,8 +131,8 @@ KC = 16                                  # columns per step of the K loop of `_r
 
 def _row_products(pairs, s: int, kdim: int):
   """[Σ_c x[a·s + i, c] y[m·s + j, c]]_ij [s, s] for each (x_ref, a, y_ref, m) in pairs (a list in their
-  order): one fori_loop over K in chunks of KC columns, so only [s, KC] tiles are live. (A dot over all K at once makes Triton's FMA dot
-  hold whole K-rows per thread: 255 registers and spills on the H200 at K = 128.)"""
+  order): one fori_loop over K in chunks of KC columns, so only [s, KC] tiles are live. (A dot over all K at
+  once makes Triton's FMA dot hold whole K-rows per thread: 255 registers and spills on the H200 at K = 128.)"""
   chunks = max(kdim // KC, 1)
   width = kdim // chunks
 
