@@ -354,11 +354,11 @@ def _block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   D = anchor[None, :] + prop + dot(gamma * coef[None, :], u)
   keep = D if r is None else anchor[None, :] + r[:, None] * (D - anchor[None, :])
   d_bar = keep + coef[:, None] * u
-  inside = (d_bar >= lo) & (d_bar <= hi)
-  strict = (d_bar > lo) & (d_bar < hi)
-  real = st.real(inside.shape)
-  count = lambda good: jnp.sum(jnp.where(good if real is None else good | ~real, 0.0, 1.0))
-  return D, _clip(st, last_row(d_bar)), count(inside) == 0.0, count(strict) == 0.0
+  # One reduction for both checks: 2 outside the bounds (or NaN), 1 on a bound, 0 strictly inside.
+  code = jnp.where((d_bar > lo) & (d_bar < hi), 0.0, jnp.where((d_bar >= lo) & (d_bar <= hi), 1.0, 2.0))
+  real = st.real(code.shape)
+  worst = jnp.max(code if real is None else jnp.where(real, code, 0.0))
+  return D, _clip(st, last_row(d_bar)), worst < 2.0, worst < 1.0
 
 
 def _block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
