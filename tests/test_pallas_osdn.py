@@ -187,6 +187,13 @@ def test_block_solve_hypothesis():
     bwd_ok.append(bool(osdn._block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
                                            tb[0, i, 0], wb[0, i, 0], None)[-1]))
   assert fwd_ok == smooth_ok == bwd_ok == [True, False, False, False], (fwd_ok, smooth_ok, bwd_ok)
+  # The forward kernel stores that flag per block for the split backward (which runs flagged blocks as a λ
+  # chain): 1 for block 0 only here; 1 everywhere when the bounds are never reached.
+  for lo_hi, want_flags in (((0.0, hi), [1, 0, 0, 0]), ((-100.0, 100.0), [1, 1, 1, 1])):
+    st_k = dataclasses.replace(st, d_min=lo_hi[0], d_max=lo_hi[1])
+    assert osdn._split_bwd(st_k)
+    flags = osdn._forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[2]
+    assert np.asarray(flags)[0, :, 0].tolist() == want_flags, flags
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
   got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
   _assert_close(got, want, names)

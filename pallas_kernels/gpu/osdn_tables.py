@@ -15,8 +15,9 @@ triangular solve inside kernels), products of retentions as exp of masked sums o
 cumulative sums, which lose the small products next to a zero retention).
 
 H200, B=4 T=4096 G=16 K=128, L = 32, r ≡ 1, device time per call (`profile_osdn --trace`, one run): forward
-0.309 ms, backward 0.557 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward and
-about 0.23 ms more in the backward. Before the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per
+0.309 ms, backward 0.557 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward. The
+whole d-pass, forward / forward+backward: 0.690 / 1.957 ms with the kernel, 0.774 / 1.716 with the reference (in
+one jit XLA shares the forward's Gram and forward inverse with the backward; the kernel recomputes them). Before the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per
 thread, 255 registers, 113 MB of spill loads per call, 12 % occupancy) the kernel took 0.546 / 0.707 ms; with the
 loop ncu shows 64 registers, no spills, 48 % occupancy. TF32×3 dots and num_stages 2 or 3 did not help.
 
