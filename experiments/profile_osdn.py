@@ -12,6 +12,7 @@ interpret mode (use a tiny shape):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -62,16 +63,18 @@ def main():
   ap.add_argument("--blocks", default="", help="comma-separated FWD/BWD[/SOLVE[/WARPS_SOLVE]] to compare: tokens "
                   "per loop iteration forward and backward, tokens per block solve of both kernels (0: token by "
                   "token) and their warps, e.g. 16/8,16/8/0,16/8/16/2 (default: the kernel's)")
-  ap.add_argument("--warps", type=int, default=None)
-  ap.add_argument("--stages", type=int, default=1)
+  ap.add_argument("--warps", type=int, default=None, help="DPassBlocks.num_warps")
+  ap.add_argument("--stages", type=int, default=None, help="DPassBlocks.num_stages")
   ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                   help="the forward's block-solve loop loads the next block early (DPassBlocks.prefetch)")
   ap.add_argument("--prefetch-bwd", action=argparse.BooleanOptionalAction, default=None,
                   help="the same for the backward (DPassBlocks.prefetch_bwd)")
-  ap.add_argument("--tables", default=None, choices=("kernel", "xla"), help="DPassBlocks.tables")
+  ap.add_argument("--tables", default=None, choices=("kernel", "xla", "auto"), help="DPassBlocks.tables")
   ap.add_argument("--split-bwd", action=argparse.BooleanOptionalAction, default=None,
                   help="λ-only sequential backward + parallel block gradients (DPassBlocks.split_bwd)")
   ap.add_argument("--warps-tables", type=int, default=None, help="DPassBlocks.warps_tables (default: the kernel's)")
+  ap.add_argument("--share-inverse", action=argparse.BooleanOptionalAction, default=None,
+                  help="the forward's table kernel also forms the backward's inverse (DPassBlocks.share_inverse)")
   ap.add_argument("--tables-dots", default=None, choices=("ieee", "tf32x3"), help="DPassBlocks.tables_dots")
   ap.add_argument("--anchor", default="init", choices=("zero", "init"))
   ap.add_argument("--retention", action=argparse.BooleanOptionalAction, default=True,
@@ -85,7 +88,10 @@ def main():
   interpret = jax.default_backend() == "cpu"
   base = osdn.INTERPRET_BLOCKS if interpret else osdn.DEFAULT_BLOCKS
   full = (base.block_t, base.block_t_bwd, base.solve_t, base.warps_solve)
-  for name in ("prefetch", "prefetch_bwd", "tables", "tables_dots", "split_bwd", "warps_tables"):
+  a.warps = a.warps or base.num_warps
+  a.stages = a.stages or base.num_stages
+  for name in ("prefetch", "prefetch_bwd", "tables", "tables_dots", "split_bwd", "warps_tables",
+               "share_inverse"):
     if getattr(a, name) is None:                      # unset flags: the kernel's defaults
       setattr(a, name, getattr(base, name))
 
@@ -94,13 +100,18 @@ def main():
     return text, osdn.DPassBlocks(block_t=bf, block_t_bwd=bb, solve_t=bs, solve_t_apf=bs, solve_t_init=bs,
                                   warps_solve=ws, num_warps=a.warps, num_stages=a.stages, prefetch=a.prefetch,
                                   prefetch_bwd=a.prefetch_bwd, tables=a.tables, tables_dots=a.tables_dots,
-                                  split_bwd=a.split_bwd, warps_tables=a.warps_tables)
-  configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", base)]
+                                  split_bwd=a.split_bwd, warps_tables=a.warps_tables,
+                                  share_inverse=a.share_inverse)
+  # No --blocks: the kernel's own blocks with the flags above (which default to them).
+  configs = [blocks_of(p) for p in a.blocks.split(",") if p] or [("default", dataclasses.replace(
+      base, num_warps=a.warps, num_stages=a.stages, prefetch=a.prefetch, prefetch_bwd=a.prefetch_bwd,
+      tables=a.tables, tables_dots=a.tables_dots, split_bwd=a.split_bwd, warps_tables=a.warps_tables,
+      share_inverse=a.share_inverse))]
   kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor=a.anchor)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} interpret={interpret} anchor={a.anchor} "
         f"clip=[0, 8] retention={a.retention} warps={a.warps} stages={a.stages} "
         f"prefetch={a.prefetch}/{a.prefetch_bwd} tables={a.tables} tables_dots={a.tables_dots} "
-        f"split_bwd={a.split_bwd} warps_tables={a.warps_tables}", flush=True)
+        f"split_bwd={a.split_bwd} warps_tables={a.warps_tables} share_inverse={a.share_inverse}", flush=True)
   for shape in shapes:
     b, t, g, kd = map(int, shape.split(","))
     args = _inputs(b, t, g, kd)
@@ -142,7 +153,7 @@ def _tables_fn(blocks, args, kw):
   if not osdn._blocked(st):
     return None
   o = d0 if mode == "init" else None
-  return jax.jit(lambda u, n, beta, r, d1, d0: osdn_tables.forward(st, u, n, beta, r, o))
+  return jax.jit(lambda u, n, beta, r, d1, d0: osdn_tables.forward(st, u, n, beta, r, o)[:3])
 
 
 if __name__ == "__main__":

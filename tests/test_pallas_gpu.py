@@ -206,6 +206,23 @@ def test_bad_input_errors():
     BlockSizes(fp32_dots="tf32")
 
 
+def test_state_pass_block_v():
+  """The state passes' V block: capped by the [K, BV] state tile, then halved (to 16 at least) while fewer than
+  `STATE_PROGRAMS` programs would run; packed calls count segments, not batch rows."""
+  from pallas_kernels.gpu import layout
+  b = BlockSizes()                                           # block_v_state = 64
+  assert b.v_block("state", 128, 128) == 64 and b.v_block("state", 128, 256) == 32
+  assert b.v_block("state", 128, 128, lanes=64) == 64        # B=4, HV=16: 128 programs
+  assert b.v_block("state", 128, 128, lanes=32) == 32        # 128 programs
+  assert b.v_block("state", 128, 128, lanes=8) == 16         # B=1, HV=8: 64 programs, the floor
+  assert b.v_block("out", 128, 128, lanes=1) == 128          # other kernels keep theirs
+  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
+                                           value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True,
+                                           blocks=b, interpret=True), **kw})
+  assert st().state_block_v == 16 and st(batch=8).state_block_v == 64
+  assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
+
+
 def test_poison_catches_unwritten_blocks():
   """An output kernel that skips the last chunk leaves NaN there, which the comparator rejects."""
   p = random_problem(13, B=1, T=32, H=1, HV=1, K=16, V=16, decay="scalar")

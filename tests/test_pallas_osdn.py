@@ -131,14 +131,15 @@ def test_matches_scan(case):
 
 
 @pytest.mark.parametrize("T,K,blocks", [
-    (64, 16, osdn.DPassBlocks(block_t=4)), (5, 24, osdn.DPassBlocks(block_t=8)),
-    (37, 16, osdn.DPassBlocks(block_t=8, solve_t_init=16)),
+    (64, 16, osdn.DPassBlocks(block_t=4, tables="kernel")), (5, 24, osdn.DPassBlocks(block_t=8, tables="kernel")),
+    (37, 16, osdn.DPassBlocks(block_t=8, solve_t_init=16, tables="kernel", share_inverse=False)),
     (50, 16, osdn.DPassBlocks(block_t=4, solve_t_init=16, prefetch=False, tables="xla"))])
 def test_block_boundaries(T, K, blocks):
   """T a multiple of the token block and of the 32-token block solve (no tail), T shorter than one block
   (tail only), 8-token blocks, 16-token block solves and a tail; the GPU defaults otherwise (block solves of
-  32 tokens, the forward prefetching, the backward not). Last: 16-token block solves without prefetch, tables
-  from the plain-JAX reference."""
+  32 tokens, the forward prefetching, the backward not). Tables from the kernel (the backward's inverse shared
+  with the forward: 64; formed anew: 37) and from the reference throughout (50, 16-token block solves without
+  prefetch), which "auto", the GPU default, runs under differentiation."""
   a = _inputs(T, T=T, G=2, K=K)
   got, want, names = _both(a, learned_r=True, blocks=blocks, eta=4.0, d_min=0.0, d_max=2.0, anchor="init")
   _assert_close(got, want, names)
@@ -192,7 +193,7 @@ def test_block_solve_hypothesis():
   for lo_hi, want_flags in (((0.0, hi), [1, 0, 0, 0]), ((-100.0, 100.0), [1, 1, 1, 1])):
     st_k = dataclasses.replace(st, d_min=lo_hi[0], d_max=lo_hi[1])
     assert osdn._split_bwd(st_k)
-    flags = osdn._forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[2]
+    flags = osdn._forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
     assert np.asarray(flags)[0, :, 0].tolist() == want_flags, flags
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
   got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
@@ -233,15 +234,15 @@ def test_tables_kernel(mode, L):
   a = _inputs(31, T=2 * L + 5, G=2, K=16)
   r = None if mode == "none" else a["r"].at[:, 5::9].set(0.0).at[:, 3::7].set(1.0)
   o = a["d0"] if mode == "init" else None
-  blocks = osdn.DPassBlocks(solve_t=L, solve_t_apf=L, solve_t_init=L)
+  blocks = osdn.DPassBlocks(solve_t=L, solve_t_apf=L, solve_t_init=L, tables="kernel")
   st = osdn.Static(batch=2, length=2 * L + 5, heads=2, key_dim=16, eta=3.0, d_min=0.0, d_max=8.0, mode=mode,
                    blocks=blocks, interpret=True)
   g = jnp.asarray(np.random.default_rng(3).normal(size=a["u"].shape), F32)
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], r, o)
   want = (tf, wf, tb, osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma))
-  (kf, kwf, kgf), (kb, kwb, kgb) = (osdn_tables.forward(st, a["u"], a["n"], a["beta"], r, o),
-                                    osdn_tables.backward(st, a["u"], a["n"], a["beta"], r, g))
-  assert kf.shape == (2, 2, 2, L, L) and kwb.shape == (2, 2, 2, L)
+  (kf, kwf, kgf, none), (kb, kwb, kgb) = (osdn_tables.forward(st, a["u"], a["n"], a["beta"], r, o),
+                                          osdn_tables.backward(st, a["u"], a["n"], a["beta"], r, g))
+  assert kf.shape == (2, 2, 2, L, L) and kwb.shape == (2, 2, 2, L) and none is None
   for name, x, y in zip(("tf", "wf", "tb", "wb"), (kf, kwf, kb, kwb), want):
     assert rel_rms(x, y) < 1e-6, (name, rel_rms(x, y))
   if r is None:
@@ -249,6 +250,18 @@ def test_tables_kernel(mode, L):
   else:
     np.testing.assert_allclose(kgf, gamma, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(kgf, kgb)
+  auto = dataclasses.replace(st, blocks=dataclasses.replace(blocks, tables="auto"))
+  assert osdn_tables.implementation(auto, False) == "kernel" and osdn_tables.implementation(auto, True) == "xla"
+  # Shared (the custom_vjp's forward rule): the forward also forms the backward's inverse, the backward then
+  # only its right-hand side; kernel and reference.
+  for impl in ("kernel", "xla"):
+    sst = dataclasses.replace(st, blocks=dataclasses.replace(blocks, tables=impl))
+    sf, swf, sgf, saved = osdn_tables.forward(sst, a["u"], a["n"], a["beta"], r, o, differentiated=True)
+    sb, swb, sgb = osdn_tables.backward(sst, a["u"], a["n"], a["beta"], r, g, saved, sgf)
+    assert (saved[0] is None) == (impl == "kernel")
+    for name, x, y in zip(("tf", "wf", "ib", "tb", "wb"), (sf, swf, saved[1], sb, swb), (tf, wf, inv_b) + want[2:]):
+      assert rel_rms(x, y) < 1e-6, (impl, name, rel_rms(x, y))
+    assert sgb is sgf
 
 
 def test_extreme_gates():
@@ -351,16 +364,18 @@ def test_dispatch():
 @pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("zero", True, False),
                                                      ("init", True, False), ("init", True, True)])
 def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
-  """Forward and backward (default GPU blocks: block solves and their table kernels unpacked, token by token
-  packed; K = 128, T with a tail; packed: traced segment ids,
-  per-segment d1 and last d) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
+  """Forward and backward (default GPU blocks but the kernel tables: block solves and their table kernels
+  unpacked, the backward's right-hand side from the forward's inverse; token by token packed; K = 128, T with
+  a tail; packed: traced segment ids, per-segment d1 and last d) lower with the Triton backend for CUDA to IR
+  that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
   sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
 
   def loss(u, n, beta, r, d1, d0, ids):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor=anchor, segment_ids=ids if packed else None, interpret=False)
+                             anchor=anchor, segment_ids=ids if packed else None, interpret=False,
+                             blocks=dataclasses.replace(osdn.DEFAULT_BLOCKS, tables="kernel"))
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -370,7 +385,7 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
   blocked = not packed
-  assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_tables(" in ir) == blocked
+  assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_rhs(" in ir) == blocked   # share_inverse
   assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified
 
@@ -378,11 +393,12 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
 @pytest.mark.parametrize("learned_r", [False, True])
 def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
   """`DPassBlocks(split_bwd=True)`: the λ-only sequential kernel and the parallel block-gradient kernel (with
-  its in-place updated outputs) lower to verified Triton IR."""
+  its in-place updated outputs) and the backward's own table kernel (kernel tables, not shared) lower to
+  verified Triton IR."""
   verified = triton_lowering
   b, t, g, kd = 2, 100, 4, 128
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
-  blocks = osdn.DPassBlocks(split_bwd=True, solve_t_apf=32)
+  blocks = osdn.DPassBlocks(split_bwd=True, solve_t_apf=32, tables="kernel", share_inverse=False)
 
   def loss(u, n, beta, r, d1, d0):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
@@ -393,5 +409,5 @@ def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
   jax.jit(f).trace(sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(b, g, kd), sd(g, kd)).lower(
       lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
-  assert "@osdn_d_pass_bwd(" in ir and "@osdn_d_pass_bwd_blocks(" in ir
+  assert "@osdn_d_pass_bwd(" in ir and "@osdn_d_pass_bwd_blocks(" in ir and "@osdn_d_pass_bwd_tables(" in ir
   assert all(verified), verified

@@ -17,6 +17,12 @@ _TRITON_PARAMS = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, 
 MAX_DIM = 256                 # largest supported K and V (after padding to a power of two)
 CHUNK_SIZES = (16, 32, 64, 128)
 STATE_TILE = 128 * 64         # largest [K, BV] state tile of the state passes (fp32 registers)
+# The state passes' BV shrinks (to 16 at least) until they run at least this many programs: with few (batch,
+# head) rows the serial chunk loop of each program is the whole kernel. H200, B=1 T=32768 HV=8 K=V=128
+# (profile_pallas --sweep state_pass,state_bwd, one run each): state_fwd 1.214 ms at BV 64 (16 programs),
+# 0.932 at 32 (2 warps), 0.794 at 16; state_bwd 1.351 at 64, 1.107 at 32, 0.910 at 16; whole forward /
+# backward 1.555 / 3.772 → 1.169 / 2.908 ms at 16.
+STATE_PROGRAMS = 128
 
 
 def _pow2(x: int) -> bool:
@@ -123,11 +129,17 @@ class BlockSizes:
     if chunk % self.sub:
       raise ValueError(f"BlockSizes.sub={self.sub} must divide chunk_size={chunk}")
 
-  def v_block(self, name: str, vdim: int, kdim: int = 0) -> int:
-    """The V block of kernel family `name` ("state" | "out" | "grad") for padded V = vdim; the state passes'
-    [K, BV] fp32 state tile (padded K = kdim) is kept to ≤ 128 × 64 elements."""
+  def v_block(self, name: str, vdim: int, kdim: int = 0, lanes: int = 0) -> int:
+    """The V block of kernel family `name` ("state" | "out" | "grad") for padded V = vdim. The state passes'
+    [K, BV] fp32 state tile (padded K = kdim) is kept to ≤ 128 × 64 elements, and with `lanes` (batch rows or
+    packed segments × value heads) BV halves, down to 16, while lanes · V / BV < STATE_PROGRAMS."""
     bv = min(getattr(self, f"block_v_{name}"), vdim)
-    return max(min(bv, STATE_TILE // kdim), 16) if name == "state" and kdim else bv
+    if name != "state":
+      return bv
+    bv = max(min(bv, STATE_TILE // kdim), 16) if kdim else bv
+    while lanes and bv > 16 and lanes * (vdim // bv) < STATE_PROGRAMS:
+      bv //= 2
+    return bv
 
   def k_block(self, name: str, kdim: int) -> int:
     """The K block of kernel family `name` ("grad" | "diag" | "pairs") for padded K = kdim."""

@@ -152,7 +152,7 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
   """→ (dV_new [B, HV, T, V] and dS leaving each chunk [B, HV, NC·K, V] in st.mm, dS0 [B, HV, K, V]
   fp32). Packed: `info`, dS_T and dS0 as in `delta_rule_fwd.state_pass` (dS0 rows of absent segments are
   not written)."""
-  bv = st.blocks.v_block("state", st.value_dim, st.key_dim)
+  bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True),
               L.tokens(st, st.key_dim, w, st.key_head, whole=True),

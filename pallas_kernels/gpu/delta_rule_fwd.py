@@ -188,7 +188,7 @@ def _state_kernel(st, *refs):
 def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
   """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32). Packed (`info` as
   `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written."""
-  bv = st.blocks.v_block("state", st.value_dim, st.key_dim)
+  bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
               L.tokens(st, st.key_dim, w, st.kw_head, whole=True)]
@@ -202,14 +202,14 @@ def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
 def launch_state_pass(st, body, in_specs, args, info, state, name):
   """Runs a sequential state pass (forward or reverse) over `layout.state_pass_grid`; the inputs given, then
   the packed chunk info (when st.segments) and the state (S0 or dS_T); outputs `layout.state_pass_outputs`."""
-  bv = st.blocks.v_block("state", st.value_dim, st.key_dim)
+  bv = st.state_block_v
   grid, w = L.state_pass_grid(st)
   if st.segments:
     in_specs, args = in_specs + [L.chunk_info(st)], args + [info]
   out_specs, out_shape = L.state_pass_outputs(st, bv, w)
   return pallas_call(lambda *refs: body(st, *refs), grid=grid,
                      in_specs=in_specs + [L.state(st, bv, w)], out_specs=out_specs, out_shape=out_shape,
-                     interpret=st.interpret, num_warps=st.blocks.warps_state, num_stages=st.stages,
+                     interpret=st.interpret, num_warps=st.blocks.warps_state, num_stages=st.state_stages,
                      fp32_dots=st.blocks.fp32_dots, name=name)(*args, state)
 
 

@@ -88,6 +88,19 @@ class Static:
     """Triton num_stages: 1 when K or V > 128 (pipelined buffers of K×V tiles would not fit shared memory)."""
     return self.blocks.stages if max(self.key_dim, self.value_dim) <= 128 else 1
 
+  @property
+  def state_block_v(self) -> int:
+    """BV of the sequential state passes (`BlockSizes.v_block`: fewer columns when few rows run)."""
+    lanes = (self.segments or self.batch) * self.value_heads
+    return self.blocks.v_block("state", self.value_dim, self.key_dim, lanes)
+
+  @property
+  def state_stages(self) -> int:
+    """num_stages of the sequential state passes: `stages`, but 1 when packed (the per-segment initial state,
+    a [K, BV] fp32 load inside the chunk loop, is pipelined too: an H200 refused stages=3 at K = 128, BV = 64
+    for 329 KB of shared memory)."""
+    return 1 if self.segments else self.stages
+
   def kw_head(self, h):
     return lax.div(h, jnp.asarray(self.value_heads // self.kw_heads, h.dtype))
 
@@ -223,7 +236,7 @@ def lane_grid(lane, h, iv):
 
 def state_pass_grid(st: Static):
   """(grid, where) of the sequential state passes: (B, HV, V/bv), packed (N lanes, HV, V/bv)."""
-  bv = st.blocks.v_block("state", st.value_dim, st.key_dim)
+  bv = st.state_block_v
   lead = st.segments or st.batch
   return (lead, st.value_heads, st.value_dim // bv), (lane_grid if st.segments else seq_grid)
 

@@ -83,9 +83,13 @@ class DPassBlocks:
   warps_tables: Triton warps of the block solves' table kernels (`osdn_tables`, one program per block).
   prefetch, prefetch_bwd: the forward's (backward's) block-solve loop loads block i + 1 while block i
               computes (`_block_loop`).
-  tables:     how the block solves' tables are formed: "kernel" (`osdn_tables`' Pallas kernel) or "xla" (its
-              plain-JAX reference: batched triangular solves).
+  tables:     how the block solves' tables are formed: "kernel" (`osdn_tables`' Pallas kernel), "xla" (its
+              plain-JAX reference: batched triangular solves) or "auto": the kernel for a forward alone, the
+              reference under differentiation (`osdn_tables.implementation`).
   tables_dots: how the table kernel's fp32 dots run: "ieee" or "tf32x3" (`chunk_math.fp32_dots`; rounding only).
+  share_inverse: under differentiation the forward's tables include the backward's inverse, formed from the
+              same Gram blocks and kept as a residual [B, NB, G, L, L]; the backward then forms only its
+              right-hand side.
   split_bwd:  the backward's sequential kernel carries only λ through the blocks whose clip derivative is 1
               (`_block_chain`; the forward kernel flags those blocks) and a parallel kernel (`_bwd_blocks`) forms
               their per-token gradients from the λ it stored; else one kernel does both (`_block_adjoint`).
@@ -105,9 +109,14 @@ class DPassBlocks:
   warps_tables: int = 4
   prefetch: bool = True     # H200 (kernel_times, B=4 T=4096 G=16 K=128, L=32, across runs): forward 0.475 → 0.360;
   prefetch_bwd: bool = False  # backward kernel 1.009 → 1.112 ms (more registers: three [L, K] tiles per block)
-  tables: str = "kernel"
+  # H200, B=4 T=4096 G=16 K=128 (profile_osdn --trace, fwd / fwd+bwd ms, each a separate run): r ≡ 1 kernel
+  # (share_inverse) 0.715 / 1.670, xla 0.799 / 1.609, auto 0.710 / 1.596; "zero" 0.844 / 2.056, 0.862 / 1.860,
+  # 0.832 / 1.835; "init" 0.855 / 2.130, 0.886 / 1.917, 0.844 / 1.886.
+  tables: str = "auto"
   split_bwd: bool = True   # H200 (profile_osdn --trace, r ≡ 1, L = 32, one run): fwd+bwd 2.687 → 2.350 ms
   tables_dots: str = "ieee"  # "tf32x3" (K-looped table kernel, one run): forward 0.690 → 0.755, fwd+bwd 1.957 → 2.041
+  share_inverse: bool = True  # H200 (profile_osdn --trace), kernel tables, fwd+bwd: r ≡ 1 1.704 → 1.670,
+                              # "zero" 2.108 → 2.056, "init" 2.166 → 2.130 ms
   num_stages: int = 1
 
   def __post_init__(self):
@@ -121,8 +130,8 @@ class DPassBlocks:
     for name in ("num_warps", "warps_solve", "warps_tables"):
       if getattr(self, name) is not None and not _pow2(getattr(self, name)):
         raise ValueError(f"DPassBlocks.{name}={getattr(self, name)} must be a power of two")
-    if self.tables not in ("kernel", "xla"):
-      raise ValueError(f"DPassBlocks.tables={self.tables!r} must be 'kernel' or 'xla'")
+    if self.tables not in ("kernel", "xla", "auto"):
+      raise ValueError(f"DPassBlocks.tables={self.tables!r} must be 'kernel', 'xla' or 'auto'")
     if self.tables_dots not in ("ieee", "tf32x3"):
       raise ValueError(f"DPassBlocks.tables_dots={self.tables_dots!r} must be 'ieee' or 'tf32x3'")
     if self.num_stages < 1:
@@ -136,8 +145,10 @@ class DPassBlocks:
 
 
 DEFAULT_BLOCKS = DPassBlocks()
-INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16,  # interpret mode: unrolling
-                               solve_t_init=16, prefetch_bwd=True, split_bwd=True)  # costs compile time only
+# Interpret mode: unrolling costs compile time only; kernel tables throughout (what the mode is for, and no CPU
+# batched trsm: jaxlib 0.10.2's deadlocked on 2-core machines when two ran at once).
+INTERPRET_BLOCKS = DPassBlocks(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16, solve_t_init=16,
+                               prefetch_bwd=True, split_bwd=True, tables="kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,12 +508,14 @@ def _table_specs(st):  # [B, NB, G, L, L] → [NB, L, L] and [B, NB, G, L] → [
   return [square, pl.BlockSpec((_SQ, nb, _SQ, L), lambda b, g: (b, 0, g, 0))] + ([square] if st.has_r else [])
 
 
-def _forward(st, u, n, beta, r, codes, d1, o):
+def _forward(st, u, n, beta, r, codes, d1, o, differentiated=False):
+  """→ ((saved, Γ) of `osdn_tables.forward` for the backward, kernel outputs: ds, d_{T+1}[, per-block flags])."""
   packed = st.segments > 0
-  tables = []
+  tables, saved = [], (None, None)
   if _blocked(st):
-    tf, wf, gamma = osdn_tables.forward(st, u, n, beta, r, o)
+    tf, wf, gamma, shared = osdn_tables.forward(st, u, n, beta, r, o, differentiated=differentiated)
     tables = [tf, wf] + ([gamma] if st.has_r else [])
+    saved = (shared, gamma) if shared is not None else saved
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
       ([o] if st.has_o else []) + tables
   in_specs = [_rows(st), _scalars(st), _scalars(st)] + ([_scalars(st)] if st.has_r else []) + \
@@ -510,7 +523,7 @@ def _forward(st, u, n, beta, r, codes, d1, o):
       (_table_specs(st) if tables else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   split = _split_bwd(st)
-  return pallas_call(
+  return saved, pallas_call(
       functools.partial(_fwd_kernel, st), grid=(b, g), in_specs=in_specs,
       out_specs=[_rows(st), _head_vec(st)] + ([_per_block(st)] if split else []),
       out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
@@ -608,13 +621,14 @@ def _bwd_kernel(st, *refs):
     do_ref[...] = acc_o
 
 
-def _backward(st, u, n, beta, r, codes, o, ds, smooth, g_ds, g_last):
+def _backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last):
   """smooth [B, NB, G] int32 (split backward only, else None): the forward's per-block flag, 1 where the clip's
-  derivative is 1 throughout the block (`_block_solve`); those blocks run as a λ chain here."""
+  derivative is 1 throughout the block (`_block_solve`); those blocks run as a λ chain here. saved: the
+  forward's (saved, Γ) (`_forward`)."""
   packed, split = st.segments > 0, _split_bwd(st)
   tables, ok = [], smooth
   if _blocked(st):
-    tb, wb, gamma = osdn_tables.backward(st, u, n, beta, r, g_ds)
+    tb, wb, gamma = osdn_tables.backward(st, u, n, beta, r, g_ds, *saved)
     tables = [tb, wb] + ([gamma] if st.has_r else [])
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + \
       ([o] if st.has_o else []) + [ds, g_ds, g_last] + tables + ([ok] if split else [])
@@ -719,18 +733,18 @@ def _split_outs(st, outs):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _d_pass(st: Static, u, n, beta, r, codes, d1, o):
-  return tuple(_forward(st, u, n, beta, r, codes, d1, o)[:2])
+  return tuple(_forward(st, u, n, beta, r, codes, d1, o)[1][:2])
 
 
 def _d_pass_fwd(st, u, n, beta, r, codes, d1, o):
-  ds, d_last, *smooth = _forward(st, u, n, beta, r, codes, d1, o)
-  return (ds, d_last), (u, n, beta, r, codes, o, ds, smooth[0] if smooth else None)
+  saved, (ds, d_last, *smooth) = _forward(st, u, n, beta, r, codes, d1, o, differentiated=True)
+  return (ds, d_last), (u, n, beta, r, codes, o, ds, smooth[0] if smooth else None, saved)
 
 
 def _d_pass_bwd(st, res, cts):
-  u, n, beta, r, codes, o, ds, smooth = res
+  u, n, beta, r, codes, o, ds, smooth, saved = res
   g_ds, g_last = cts
-  du, dn, dbeta, dr, dd1, do = _backward(st, u, n, beta, r, codes, o, ds, smooth, g_ds, g_last)
+  du, dn, dbeta, dr, dd1, do = _backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last)
   return du, dn, dbeta, dr, None, dd1, do
 
 

@@ -15,11 +15,17 @@ triangular solve inside kernels), products of retentions as exp of masked sums o
 cumulative sums, which lose the small products next to a zero retention).
 
 H200, B=4 T=4096 G=16 K=128, L = 32, r ≡ 1, device time per call (`profile_osdn --trace`, one run): forward
-0.309 ms, backward 0.557 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward. The
-whole d-pass, forward / forward+backward: 0.690 / 1.957 ms with the kernel, 0.774 / 1.716 with the reference (in
-one jit XLA shares the forward's Gram and forward inverse with the backward; the kernel recomputes them). Before the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per
-thread, 255 registers, 113 MB of spill loads per call, 12 % occupancy) the kernel took 0.546 / 0.707 ms; with the
-loop ncu shows 64 registers, no spills, 48 % occupancy. TF32×3 dots and num_stages 2 or 3 did not help.
+0.309 ms, backward 0.407 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward. Before
+the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per thread, 255 registers, 113 MB of spill loads
+per call, 12 % occupancy) the kernel took 0.546 / 0.707 ms; with the loop ncu shows 64 registers, no spills,
+48 % occupancy. TF32×3 dots and num_stages 2 or 3 did not help.
+
+Under differentiation the forward can also form the backward's inverse from the same Gram blocks (`forward(...,
+differentiated=True)` with `DPassBlocks.share_inverse`); the backward then only forms its right-hand side
+(`_rhs_kernel`: the ⟨g, u⟩ blocks, 0.214 ms). The kernel's second inverse costs 0.155 ms (forward 0.309 →
+0.464), so there the reference wins: XLA's batched triangular solves take 0.143 ms each. Whole d-pass, forward /
+forward+backward, r ≡ 1: kernel 0.715 / 1.670, reference 0.799 / 1.609, "auto" (`implementation`: the kernel
+for a forward alone, the reference under differentiation) 0.710 / 1.596 ms.
 
 Shapes: u, g_ds [B, T, G, K] (K padded), n, beta, r [B, T, G], o [G, K]; only the first NB·L tokens are used
 (NB = T // L); tables [B, NB, G, L, L] and [B, NB, G, L]. fp32.
@@ -150,7 +156,8 @@ def _row_products(pairs, s: int, kdim: int):
   return list(lax.fori_loop(0, chunks, step, zeros))
 
 
-def _tables_kernel(st, backward: bool, *refs):
+def _tables_kernel(st, backward: bool, shared: bool, *refs):
+  """One block's (tf, wf[, ib][, Γ]) (forward; ib with `shared`) or (tb, wb[, Γ]) (backward)."""
   has_o = st.has_o and not backward
   n_in = 3 + st.has_r + has_o + backward
   u_ref, b_ref, n_ref = refs[:3]
@@ -158,7 +165,9 @@ def _tables_kernel(st, backward: bool, *refs):
   r_ref = rest.pop(0) if st.has_r else None
   o_ref = rest.pop(0) if has_o else None
   g_ref = rest.pop(0) if backward else None
-  t_ref, w_ref, *gm = refs[n_in:]
+  t_ref, w_ref, *outs = refs[n_in:]
+  ib_ref = outs.pop(0) if shared else None
+  gm = outs
   L, s = st.solve_t, SUB
   nsub = L // s
   rows = lambda a: pl.ds(a * s, s)
@@ -191,6 +200,10 @@ def _tables_kernel(st, backward: bool, *refs):
     for a in range(nsub):
       t_ref[rows(a), :] = X[a] if P is None else X[a] * P[None, :]
       w_ref[rows(a)] = jnp.sum(X[a] * rhs[None, :], axis=1)
+    if ib_ref is not None:             # the backward's inverse from the same Gram blocks
+      Xb = inverse_rows({(a, m): c[a][:, None] * x for (a, m), x in M.items()}, nsub, s)
+      for a in range(nsub):
+        ib_ref[:, rows(a)] = Xb[a].T
   else:
     # (I + Mᵀ diag(c))⁻¹ = Xᵀ: its column block a is X[a]ᵀ; y_t = Σ_{j>t} Γ_jt ⟨u_t, g_j⟩.
     wb = 0.0
@@ -200,6 +213,29 @@ def _tables_kernel(st, backward: bool, *refs):
       scaled = X[a] if la is None else prefix_products(la, a, s, False)[:, None] * X[a]
       t_ref[:, rows(a)] = scaled.T
     w_ref[...] = wb
+
+
+def _rhs_kernel(st, *refs):
+  """One block's wb (and tb = ib diag(Q) with a retention; without one tb is ib) from the stored inverse ib:
+  the backward table kernel without the Gram blocks ⟨u, u⟩ and the inverse."""
+  u_ref, g_ref = refs[:2]
+  rest = list(refs[2:])
+  r_ref = rest.pop(0) if st.has_r else None
+  ib_ref, w_ref, *tb = rest
+  L, s = st.solve_t, SUB
+  nsub = L // s
+  rows = lambda a: pl.ds(a * s, s)
+  la = log_retention(r_ref[...]) if st.has_r else None
+  pairs = [(a, m) for a in range(nsub) for m in range(a + 1)]
+  gu = dict(zip(pairs, _row_products([(g_ref, a, u_ref, m) for a, m in pairs], s, st.key_dim)))  # G_a U_mᵀ
+  wb = 0.0
+  for a in range(nsub):
+    y = sum(jnp.sum(_gamma_block(la, m, a, s) * gu[m, a], axis=0) for m in range(a, nsub))
+    xt = ib_ref[:, rows(a)]                                          # [L, s]: column block a of ib
+    wb = wb + jnp.sum(xt * y[None, :], axis=1)
+    if tb:
+      tb[0][:, rows(a)] = xt * prefix_products(la, a, s, False)[None, :]
+  w_ref[...] = wb
 
 
 def block_specs(st):
@@ -215,40 +251,77 @@ def block_specs(st):
               param=pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0)))
 
 
-def _call(st, backward: bool, u, n, beta, r, extra):
-  b, t, g = st.batch, st.length, st.heads
-  L = st.solve_t
-  nb = t // L
+def _shapes(st):
+  b, g, L = st.batch, st.heads, st.solve_t
+  nb = st.length // L
+  return (b, g, nb), *(jax.ShapeDtypeStruct(x, F32) for x in ((b, nb, g, L, L), (b, nb, g, L)))
+
+
+def _call(st, backward: bool, shared: bool, u, n, beta, r, extra):
+  grid, sq, v = _shapes(st)
   spec = block_specs(st)
   rows, scal, square, vec = spec["rows"], spec["scal"], spec["square"], spec["vec"]
   args = [u, beta, n] + ([r] if st.has_r else []) + ([extra] if extra is not None else [])
   in_specs = [rows, scal, scal] + ([scal] if st.has_r else [])
   if extra is not None:
     in_specs.append(rows if backward else spec["param"])
-  sq, v = (jax.ShapeDtypeStruct(x, F32) for x in ((b, nb, g, L, L), (b, nb, g, L)))
+  n_sq = 1 + shared + st.has_r
   return pallas_call(
-      functools.partial(_tables_kernel, st, backward), grid=(b, g, nb), in_specs=in_specs,
-      out_specs=[square, vec] + ([square] if st.has_r else []),
-      out_shape=[sq, v] + ([sq] if st.has_r else []), interpret=st.interpret,
-      num_warps=st.blocks.warps_tables, num_stages=1, fp32_dots=st.blocks.tables_dots,
+      functools.partial(_tables_kernel, st, backward, shared), grid=grid, in_specs=in_specs,
+      out_specs=[square, vec] + [square] * (n_sq - 1), out_shape=[sq, v] + [sq] * (n_sq - 1),
+      interpret=st.interpret, num_warps=st.blocks.warps_tables, num_stages=1, fp32_dots=st.blocks.tables_dots,
       name="osdn_d_pass_bwd_tables" if backward else "osdn_d_pass_fwd_tables")(*args)
 
 
-def forward(st, u, n, beta, r, o):
-  """(tf, wf, Γ or None) of every block (see the module docstring); o [G, K] for anchor "init", else None.
-  `st.blocks.tables` picks the kernel or the reference."""
+def _rhs_call(st, u, r, g_ds, inv_b):
+  grid, sq, v = _shapes(st)
+  spec = block_specs(st)
+  rows, scal, square, vec = spec["rows"], spec["scal"], spec["square"], spec["vec"]
+  outs = pallas_call(
+      functools.partial(_rhs_kernel, st), grid=grid,
+      in_specs=[rows, rows] + ([scal] if st.has_r else []) + [square],
+      out_specs=[vec] + ([square] if st.has_r else []), out_shape=[v] + ([sq] if st.has_r else []),
+      interpret=st.interpret, num_warps=st.blocks.warps_tables, num_stages=1, fp32_dots=st.blocks.tables_dots,
+      name="osdn_d_pass_bwd_rhs")(*([u, g_ds] + ([r] if st.has_r else []) + [inv_b]))
+  return (outs[1] if st.has_r else inv_b), outs[0]
+
+
+def implementation(st, differentiated: bool) -> str:
+  """"kernel" or "xla": `DPassBlocks.tables`; "auto" is the kernel for a forward alone and the reference under
+  differentiation (one jit then shares the Gram blocks between the forward's and the backward's inverse, and
+  cuBLAS's batched triangular solves beat the kernel's forward substitution; see the module docstring)."""
+  if st.blocks.tables == "auto":
+    return "xla" if differentiated else "kernel"
+  return st.blocks.tables
+
+
+def forward(st, u, n, beta, r, o, differentiated: bool = False):
+  """(tf, wf, Γ or None, saved) of every block (see the module docstring); o [G, K] for anchor "init", else None.
+  differentiated: the custom_vjp's forward rule; then with `DPassBlocks.share_inverse` saved holds what
+  `backward` reuses, (tb or None, ib, Γ or None): ib [B, NB, G, L, L] = (I + Mᵀ diag(c))⁻¹ from the same Gram
+  blocks (the kernel's saved tuple is (None, ib, None): its backward forms tb itself); else saved is None."""
   o = o if st.has_o else None
-  if st.blocks.tables == "xla":
-    tf, wf, _, _, gamma = reference(st, u, n, beta, r, o)
-    return tf, wf, (gamma if st.has_r else None)
-  tf, wf, *gm = _call(st, False, u, n, beta, r, o)
-  return tf, wf, (gm[0] if gm else None)
+  share = differentiated and st.blocks.share_inverse
+  if implementation(st, differentiated) == "xla":
+    tf, wf, tb, inv_b, gamma = reference(st, u, n, beta, r, o)
+    return tf, wf, (gamma if st.has_r else None), ((tb, inv_b, gamma) if share else None)
+  tf, wf, *rest = _call(st, False, share, u, n, beta, r, o)
+  ib = rest.pop(0) if share else None
+  return tf, wf, (rest[0] if rest else None), ((None, ib, None) if share else None)
 
 
-def backward(st, u, n, beta, r, g_ds):
-  """(tb, wb, Γ or None) of every block; g_ds [B, T, G, K] the cotangent of ds."""
-  if st.blocks.tables == "xla":
+def backward(st, u, n, beta, r, g_ds, saved=None, gamma=None):
+  """(tb, wb, Γ or None) of every block; g_ds [B, T, G, K] the cotangent of ds. With the forward's `saved`
+  (and its Γ) only the right-hand side wb is formed (the kernel: `_rhs_kernel`)."""
+  if saved is not None:
+    tb, inv_b, gamma_ref = saved
+    if tb is None:
+      tb, wb = _rhs_call(st, u, r, g_ds, inv_b)
+    else:
+      wb = adjoint_rhs_reference(st, u, g_ds, inv_b, gamma_ref)
+    return tb, wb, gamma
+  if implementation(st, True) == "xla":
     _, _, tb, inv_b, gamma = reference(st, u, n, beta, r, None)
     return tb, adjoint_rhs_reference(st, u, g_ds, inv_b, gamma), (gamma if st.has_r else None)
-  tb, wb, *gm = _call(st, True, u, n, beta, r, g_ds)
+  tb, wb, *gm = _call(st, True, False, u, n, beta, r, g_ds)
   return tb, wb, (gm[0] if gm else None)
