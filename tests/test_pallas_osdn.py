@@ -264,9 +264,11 @@ def test_tables_kernel(mode, L):
     assert sgb is sgf
 
 
-def test_extreme_gates():
+@pytest.mark.parametrize("clip,tables", [(False, None), (True, None), (True, "xla")])
+def test_extreme_gates(clip, tables):
   """Zero keys (u = 0, n = 1e-12: α and c of 1e12 in the block tables), near-zero keys, β ∈ {0, 1}, APF: finite
-  and equal to the scan, without and with the clip."""
+  and equal to the scan, without and with the clip; the clipped case also with the plain-JAX tables (what the
+  GPU default runs under differentiation)."""
   a = _inputs(21, T=40, G=2, K=16)
   u = np.array(a["u"])
   u[:, 3::5] = 0.0
@@ -276,9 +278,10 @@ def test_extreme_gates():
   b = np.array(a["beta"])
   b[:, 1::4], b[:, 2::4] = 0.0, 1.0
   a["beta"] = jnp.asarray(b)
-  for lo, hi in ((None, None), (0.0, 8.0)):
-    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero")
-    _assert_close(got, want, names)
+  blocks = dataclasses.replace(osdn.INTERPRET_BLOCKS, tables=tables) if tables else None
+  lo, hi = (0.0, 8.0) if clip else (None, None)
+  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero", blocks=blocks)
+  _assert_close(got, want, names)
 
 
 def test_chaining():
