@@ -196,6 +196,15 @@ def main():
   inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
   whole_fwd = jax.jit(lambda *r: fwd.forward(st, *r))
   _timed("whole forward (jit)", lambda: whole_fwd(*inputs), a.runs)
+  st_inter = dataclasses.replace(st, blocks=dataclasses.replace(blocks, fuse_inter=not blocks.fuse_inter))
+  inter_fwd = jax.jit(lambda *r: fwd.forward(st_inter, *r))
+  _timed(f"whole forward, fuse_inter={st_inter.blocks.fuse_inter} (jit)", lambda: inter_fwd(*inputs), a.runs)
+  for label, f in ((blocks.fuse_inter, whole_fwd), (st_inter.blocks.fuse_inter, inter_fwd)):
+    try:
+      m = f.lower(*inputs).compile().memory_analysis()
+      print(f"{'  whole forward, fuse_inter=' + str(label) + ': temp MB':52s} {m.temp_size_in_bytes / 1e6:8.1f}")
+    except Exception as e:  # noqa: BLE001 — memory_analysis is not available on every backend/version
+      print(f"  memory_analysis unavailable: {e!r}"[:200])
   fwd_t = jax.jit(lambda *r: fwd.forward(st, *r, emit_t=True))
   _timed("whole forward emitting T (jit)", lambda: fwd_t(*inputs), a.runs)
   st_split = dataclasses.replace(st, blocks=dataclasses.replace(blocks, split_prep=True))

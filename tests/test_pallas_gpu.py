@@ -24,11 +24,13 @@ from pallas_kernels.gpu.config import BlockSizes
 DECAYS = ("none", "scalar", "channel")
 # (T, chunk, H, HV, k_write, initial state, also against XLA, blocks): odd T with GVA, asymmetric value-head
 # write keys and a state; T a multiple of the chunk with shared keys, no state, V split over two blocks in
-# every kernel and the forward's T formed by its own kernel (split_prep). (The bf16 cases add key-head write
-# keys with GVA.)
+# every kernel and the forward's T formed by its own kernel (split_prep); the inter-chunk output formed by the
+# state pass (fuse_inter) with key-head write keys, GVA and an output V block smaller than V. (The bf16 cases
+# add key-head write keys with GVA.)
 _SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16, split_prep=True)
 VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, BlockSizes()),
-            "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V)}
+            "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V),
+            "fused-inter": (45, 16, 2, 4, "key", True, False, BlockSizes(fuse_inter=True, block_v_out=16))}
 
 
 @pytest.fixture(autouse=True)
@@ -223,6 +225,25 @@ def test_state_pass_block_v():
   assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
 
 
+@pytest.mark.parametrize("decay", ["scalar", "channel"])
+def test_fused_inter_packed(decay):
+  """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass
+  (`BlockSizes.fuse_inter`) equals the default path: outputs, final states and every gradient."""
+  p = random_problem(12, B=2, T=40, H=2, HV=2, K=16, V=32, decay=decay, k_write="value", initial_state=False)
+  ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
+  s0 = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 16, 32)) / 4, jnp.float32)
+
+  def run(fuse):
+    def fn(q, k, v, beta, k_write, log_decay, initial_state):
+      del initial_state
+      return gpu.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=s0,
+                            segment_ids=ids, num_segments=4, chunk_size=16, blocks=BlockSizes(fuse_inter=fuse))
+    return vjp_all(fn, p.arrays(jnp.float32))
+  got, want = run(True), run(False)
+  assert set(got) == set(want) and len(got) >= 7, sorted(got)
+  assert_trees_close(got, want, jnp.float32)
+
+
 def test_poison_catches_unwritten_blocks():
   """An output kernel that skips the last chunk leaves NaN there, which the comparator rejects."""
   p = random_problem(13, B=1, T=32, H=1, HV=1, K=16, V=16, decay="scalar")
@@ -297,16 +318,18 @@ def test_bf16_gradients_lower_to_triton(triton_lowering, capsys):
   assert all(verified), verified
 
 
-def test_packed_lowers_to_triton(triton_lowering, capsys):
+@pytest.mark.parametrize("fuse_inter", [False, True])
+def test_packed_lowers_to_triton(triton_lowering, capsys, fuse_inter):
   """Packed sequences (segment resets in both state passes: per-chunk int32 info, dynamic-row state loads
-  and guarded stores) lower to verified Triton IR, bf16 inputs, scalar decay, traced segment ids."""
+  and guarded stores) lower to verified Triton IR, bf16 inputs, scalar decay, traced segment ids; also with
+  the inter-chunk output formed by the forward's state pass."""
   verified = triton_lowering
   b, t, h, hv, kd, n = 2, 80, 1, 2, 64, 5
   sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
 
   def loss(q, k, v, beta, g, s0, ids):
     o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, initial_state=s0, segment_ids=ids, num_segments=n,
-                          chunk_size=32, interpret=False)
+                          chunk_size=32, interpret=False, blocks=BlockSizes(fuse_inter=fuse_inter))
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
   args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),

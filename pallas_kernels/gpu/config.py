@@ -62,6 +62,10 @@ class BlockSizes:
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
                 backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
                 Off: on an H200 (B=4 T=4096 H=16 K=128) the split forward took 0.705 ms against 0.684 ms.
+  fuse_inter:   the forward's state pass also forms each chunk's inter-chunk output (Q⊙e^G) S_in, fp32
+                [B, T, HV, V], and no longer writes the chunk states [B, HV, NC·K, V]; the output kernel adds
+                the intra-chunk part. Less forward memory (KDA at B=4 T=4096 H=16 K=V=128: 537 MB of bf16
+                chunk-16 states against 134 MB), one more dot per chunk in the sequential loop. Not timed yet.
   factor_diag:  per-channel decay: the diagonal s×s blocks run as dots of factored operands whenever the
                 chunk's decays keep every factor ≤ e^40 (checked per program at run time; `intra.Channel`);
                 False: always the pairwise [s, s, kc] tensors.
@@ -94,6 +98,7 @@ class BlockSizes:
   fp32_dots: str = "tf32x3"
   split_prep: bool = False
   factor_diag: bool = True
+  fuse_inter: bool = False
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
            "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",

@@ -6,11 +6,14 @@
             backward's residual). With T given (`wu`, in the backward) only the W and U dots run.
 2. `state_pass`  sequential, grid (B, HV, V/BV): a fori_loop over chunks with the fp32 state [K, BV] in
             registers: V_new = U − W S, S ← e^{G_C} ⊙ S + (K̃ ⊙ e^{G_C − G})ᵀ V_new; emits the state
-            entering every chunk, V_new and the final state.
+            entering every chunk, V_new and the final state. With `BlockSizes.fuse_inter` the forward's pass
+            emits the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32 instead of the states.
 3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new) — one
             [C, K] × [K, C] score dot without per-channel decay, s×s sub-blocks with it.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -152,10 +155,10 @@ def inverse(st: L.Static, k, kw, beta, G):
 # ---------------------------------------------------------------------------------------------------------
 # 2. The sequential state pass.
 # ---------------------------------------------------------------------------------------------------------
-def _state_kernel(st, *refs):
+def _state_kernel(st, *refs, inter=False):
   has_g, packed = st.decay != "none", st.segments > 0
-  w_ref, u_ref, kw_ref, g_ref, info_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(
-      refs, 1, 1, 1, int(has_g), int(packed), 1, 1, 1, 1)
+  w_ref, u_ref, kw_ref, g_ref, q_ref, info_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(
+      refs, 1, 1, 1, int(has_g), int(inter), int(packed), 1, 1, 1, 1)
   c_len, kd = st.chunk, st.key_dim
 
   def body(c, S):
@@ -165,11 +168,16 @@ def _state_kernel(st, *refs):
       rows = pl.ds(pl.multiple_of(seg * kd, kd), kd)
       S = jnp.where(first, s0_ref[rows, :].astype(F32), S)
     vn = u_ref[pl.ds(t0, c_len), :].astype(F32) - dot(w_ref[pl.ds(t0, c_len), :], st.lo(S))
-    sin_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = S.astype(sin_ref.dtype)
+    G = chunk_decay_rows(st, g_ref, t0) if has_g else None
+    if inter:                                    # the output kernel's (Q⊙e^G) S_in, off the chain of S
+      q = row_scale(q_ref[pl.ds(t0, c_len), :].astype(F32), decay_rows(st, G))
+      sin_ref[pl.ds(t0, c_len), :] = dot(st.lo(q), st.lo(S))
+    else:
+      sin_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = S.astype(sin_ref.dtype)
     vn_ref[pl.ds(t0, c_len), :] = vn.astype(vn_ref.dtype)
     kw = kw_ref[pl.ds(t0, c_len), :].astype(F32)
     if has_g:
-      to_end, gamma = decay_to_end(st, chunk_decay_rows(st, g_ref, t0))
+      to_end, gamma = decay_to_end(st, G)
       kw = row_scale(kw, to_end)
       S = S * gamma
     S = S + dot(st.lo(kw), st.lo(vn), ta=True)
@@ -185,9 +193,10 @@ def _state_kernel(st, *refs):
     st_ref[...] = lax.fori_loop(0, st.num_chunks, body, s0_ref[...].astype(F32))
 
 
-def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
+def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None):
   """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32). Packed (`info` as
-  `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written."""
+  `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written. With q
+  [B, T, H, K] the second result is instead the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32."""
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
@@ -196,17 +205,22 @@ def state_pass(st: L.Static, W, U, kw, G, S0, info=None):
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
     args.append(G)
-  return launch_state_pass(st, _state_kernel, in_specs, args, info, S0, "delta_rule_state_fwd")
+  inter = q is not None
+  if inter:
+    in_specs.append(L.tokens(st, st.key_dim, w, st.key_head, whole=True))
+    args.append(q)
+  return launch_state_pass(st, functools.partial(_state_kernel, inter=inter), in_specs, args, info, S0,
+                           "delta_rule_state_fwd", inter=inter)
 
 
-def launch_state_pass(st, body, in_specs, args, info, state, name):
+def launch_state_pass(st, body, in_specs, args, info, state, name, inter=False):
   """Runs a sequential state pass (forward or reverse) over `layout.state_pass_grid`; the inputs given, then
   the packed chunk info (when st.segments) and the state (S0 or dS_T); outputs `layout.state_pass_outputs`."""
   bv = st.state_block_v
   grid, w = L.state_pass_grid(st)
   if st.segments:
     in_specs, args = in_specs + [L.chunk_info(st)], args + [info]
-  out_specs, out_shape = L.state_pass_outputs(st, bv, w)
+  out_specs, out_shape = L.state_pass_outputs(st, bv, w, inter)
   return pallas_call(lambda *refs: body(st, *refs), grid=grid,
                      in_specs=in_specs + [L.state(st, bv, w)], out_specs=out_specs, out_shape=out_shape,
                      interpret=st.interpret, num_warps=st.blocks.warps_state, num_stages=st.state_stages,
@@ -216,29 +230,33 @@ def launch_state_pass(st, body, in_specs, args, info, state, name):
 # ---------------------------------------------------------------------------------------------------------
 # 3. Outputs.
 # ---------------------------------------------------------------------------------------------------------
-def _output_kernel(st, *refs):
+def _output_kernel(st, *refs, inter=False):
+  """One chunk's O; inter: sin_ref holds its inter-chunk part (Q⊙e^G) S_in [C, BV] (fp32) instead of S_in."""
   has_g = st.decay != "none"
   q_ref, kw_ref, g_ref, sin_ref, vn_ref, o_ref = _split(refs, 1, 1, int(has_g), 1, 1, 1)
-  S = st.lo(sin_ref[...])
+  S = None if inter else st.lo(sin_ref[...])
   if st.decay != "channel":
     g = load(g_ref, ALL) if has_g else None
     q = q_ref[...]
     P = full_scores(q, kw_ref[...], g)
-    acc = dot(st.lo(row_scale(q.astype(F32), decay_rows(st, g))), S) + dot(st.lo(P), st.lo(vn_ref[...]))
+    acc = sin_ref[...] if inter else dot(st.lo(row_scale(q.astype(F32), decay_rows(st, g))), S)
+    acc = acc + dot(st.lo(P), st.lo(vn_ref[...]))
     o_ref[...] = (st.scale * acc).astype(o_ref.dtype)
     return
   s, n = st.sub, st.num_sub
   ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
   P = ch.scores(q_ref, kw_ref, strict=False, mm=st.mm)
   for a in range(n):
-    acc = dot(st.lo(load(q_ref, block(a, s)) * jnp.exp(ch.G(a))), S)
+    acc = (sin_ref[block(a, s), :] if inter
+           else dot(st.lo(load(q_ref, block(a, s)) * jnp.exp(ch.G(a))), S))
     for b in range(a + 1):
       acc = acc + dot(st.lo(P[a, b]), st.lo(load(vn_ref, block(b, s), dtype=None)))
     o_ref[block(a, s), :] = (st.scale * acc).astype(o_ref.dtype)
 
 
-def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None):
-  """→ o [B, T, HV, V] in out_dtype. `kernel_body` replaces the kernel (tests: poisoned outputs)."""
+def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, inter=False):
+  """→ o [B, T, HV, V] in out_dtype. `kernel_body` replaces the kernel (tests: poisoned outputs). inter: S_in
+  is the state pass's inter-chunk output [B, T, HV, V] fp32 (`state_pass(..., q=q)`)."""
   bv = st.blocks.v_block("out", st.value_dim)
   w = L.chunk_v_grid
   in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.kw_head)]
@@ -246,9 +264,10 @@ def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None):
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
-  in_specs += [L.states(st, bv, w), L.head_major(st, bv, w, split=True)]
+  in_specs += [L.tokens(st, bv, w, split=True) if inter else L.states(st, bv, w),
+               L.head_major(st, bv, w, split=True)]
   args += [S_in, V_new]
-  body = kernel_body or _output_kernel
+  body = kernel_body or functools.partial(_output_kernel, inter=inter)
   kernel = lambda *refs: body(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks, st.value_dim // bv),
                      in_specs=in_specs, out_specs=L.tokens(st, bv, w, split=True),
@@ -267,6 +286,7 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
     W, U = prep(st, k, kw, v, beta, G, T=T[0])
   else:
     W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
-  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info)
-  o = output(st, q, kw, G, S_in, V_new, q.dtype)
+  inter = st.blocks.fuse_inter
+  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info, q=q if inter else None)
+  o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

@@ -241,12 +241,16 @@ def state_pass_grid(st: Static):
   return (lead, st.value_heads, st.value_dim // bv), (lane_grid if st.segments else seq_grid)
 
 
-def state_pass_outputs(st: Static, bv: int, w):
+def state_pass_outputs(st: Static, bv: int, w, inter: bool = False):
   """(out_specs, out_shape) of both sequential state passes: a per-token [B, HV, T, V] array and the per-chunk
-  states [B, HV, NC·K, V] in st.mm, and the fp32 state(s) of `state` ([B, HV, K, V]; packed [1, HV, N·K, V])."""
+  states [B, HV, NC·K, V] in st.mm (inter: instead the inter-chunk output [B, T, HV, V] fp32), and the fp32
+  state(s) of `state` ([B, HV, K, V]; packed [1, HV, N·K, V])."""
   hv = (st.batch, st.value_heads)
-  specs = [head_major(st, bv, w, whole=True, split=True), states(st, bv, w, whole=True), state(st, bv, w)]
-  shapes = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm),
-            jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm),
+  specs = [head_major(st, bv, w, whole=True, split=True),
+           tokens(st, bv, w, whole=True, split=True) if inter else states(st, bv, w, whole=True),
+           state(st, bv, w)]
+  middle = (jax.ShapeDtypeStruct((st.batch, st.length, st.value_heads, st.value_dim), jnp.float32) if inter
+            else jax.ShapeDtypeStruct((*hv, st.num_chunks * st.key_dim, st.value_dim), st.mm))
+  shapes = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm), middle,
             jax.ShapeDtypeStruct((*hv, max(st.segments, 1) * st.key_dim, st.value_dim), jnp.float32)]
   return specs, shapes
