@@ -204,15 +204,20 @@ def _tables_kernel(st, backward: bool, shared: bool, *refs):
       Xb = inverse_rows({(a, m): c[a][:, None] * x for (a, m), x in M.items()}, nsub, s)
       for a in range(nsub):
         ib_ref[:, rows(a)] = Xb[a].T
-  else:
-    # (I + Mᵀ diag(c))⁻¹ = Xᵀ: its column block a is X[a]ᵀ; y_t = Σ_{j>t} Γ_jt ⟨u_t, g_j⟩.
-    wb = 0.0
-    for a in range(nsub):
-      y = sum(jnp.sum(gamma[m, a] * gu[m, a], axis=0) for m in range(a, nsub))
-      wb = wb + jnp.sum(X[a] * y[:, None], axis=0)
-      scaled = X[a] if la is None else prefix_products(la, a, s, False)[:, None] * X[a]
-      t_ref[:, rows(a)] = scaled.T
-    w_ref[...] = wb
+  else:          # (I + Mᵀ diag(c))⁻¹ = Xᵀ: its column block a is X[a]ᵀ
+    w_ref[...] = _adjoint_columns([x.T for x in X], gamma, gu, la, s, t_ref)
+
+
+def _adjoint_columns(xt, gamma, gu, la, s, t_ref):
+  """wb [L] = Σ_a xt[a] y_a, y_t = Σ_{j>t} Γ_jt ⟨u_t, g_j⟩ (gu[m, a] = G_m U_aᵀ, m ≥ a), from the column
+  blocks xt[a] [L, s] of (I + Mᵀ diag(c))⁻¹; writes tb's column blocks xt[a] diag(Q) to t_ref unless None."""
+  wb = 0.0
+  for a in range(len(xt)):
+    y = sum(jnp.sum(gamma[m, a] * gu[m, a], axis=0) for m in range(a, len(xt)))
+    wb = wb + jnp.sum(xt[a] * y[None, :], axis=1)
+    if t_ref is not None:
+      t_ref[:, pl.ds(a * s, s)] = xt[a] if la is None else xt[a] * prefix_products(la, a, s, False)[None, :]
+  return wb
 
 
 def _rhs_kernel(st, *refs):
@@ -227,15 +232,10 @@ def _rhs_kernel(st, *refs):
   rows = lambda a: pl.ds(a * s, s)
   la = log_retention(r_ref[...]) if st.has_r else None
   pairs = [(a, m) for a in range(nsub) for m in range(a + 1)]
+  gamma = {(a, m): _gamma_block(la, a, m, s) for a, m in pairs}
   gu = dict(zip(pairs, _row_products([(g_ref, a, u_ref, m) for a, m in pairs], s, st.key_dim)))  # G_a U_mᵀ
-  wb = 0.0
-  for a in range(nsub):
-    y = sum(jnp.sum(_gamma_block(la, m, a, s) * gu[m, a], axis=0) for m in range(a, nsub))
-    xt = ib_ref[:, rows(a)]                                          # [L, s]: column block a of ib
-    wb = wb + jnp.sum(xt * y[None, :], axis=1)
-    if tb:
-      tb[0][:, rows(a)] = xt * prefix_products(la, a, s, False)[None, :]
-  w_ref[...] = wb
+  xt = [ib_ref[:, rows(a)] for a in range(nsub)]                   # [L, s]: the column blocks of ib
+  w_ref[...] = _adjoint_columns(xt, gamma, gu, la, s, tb[0] if tb else None)
 
 
 def block_specs(st):
