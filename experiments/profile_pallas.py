@@ -36,8 +36,10 @@ SWEEPS = {
     "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False),
              dict(sub=32), dict(stages=1), dict(stages=3), dict(fp32_dots="ieee")],
     "state_pass": [dict(block_v_state=16), dict(block_v_state=64), dict(block_v_state=32, warps_state=2),
-                   dict(warps_state=8), dict(stages=3)],
-    "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8)],
+                   dict(warps_state=8), dict(warps_state=2), dict(warps_state=1), dict(stages=2),
+                   dict(stages=4)],
+    "state_bwd": [dict(block_v_state=32), dict(block_v_state=32, warps_state=2), dict(warps_state=8),
+                  dict(warps_state=2), dict(warps_state=1), dict(stages=2), dict(stages=4)],
     "wu (from T)": [dict(warps_prep=8), dict(warps_prep=2)],
     "inverse (T only)": [dict(warps_prep=2), dict(warps_prep=8)],
     "output": [dict(warps_chunk=8), dict(block_v_out=64), dict(factor_diag=False), dict(stages=3)],
@@ -196,10 +198,10 @@ def main():
   inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
   whole_fwd = jax.jit(lambda *r: fwd.forward(st, *r))
   _timed("whole forward (jit)", lambda: whole_fwd(*inputs), a.runs)
-  st_inter = dataclasses.replace(st, blocks=dataclasses.replace(blocks, fuse_inter=not blocks.fuse_inter))
+  st_inter = dataclasses.replace(st, blocks=dataclasses.replace(blocks, fuse_inter=not st.fuse_inter))
   inter_fwd = jax.jit(lambda *r: fwd.forward(st_inter, *r))
-  _timed(f"whole forward, fuse_inter={st_inter.blocks.fuse_inter} (jit)", lambda: inter_fwd(*inputs), a.runs)
-  for label, f in ((blocks.fuse_inter, whole_fwd), (st_inter.blocks.fuse_inter, inter_fwd)):
+  _timed(f"whole forward, fuse_inter={st_inter.fuse_inter} (jit)", lambda: inter_fwd(*inputs), a.runs)
+  for label, f in ((st.fuse_inter, whole_fwd), (st_inter.fuse_inter, inter_fwd)):
     try:
       m = f.lower(*inputs).compile().memory_analysis()
       print(f"{'  whole forward, fuse_inter=' + str(label) + ': temp MB':52s} {m.temp_size_in_bytes / 1e6:8.1f}")

@@ -1,14 +1,14 @@
 """Our ops against a peer implementation: golden inputs and outputs of FLA ops, generated on an H200
 (`python3 -m experiments.fla_golden --out tests/data/fla`) and checked here without torch.
 
-chunk_delta_rule: q, k, v in bf16 (FLA refuses fp32 there), outputs, final state and every input gradient.
-chunk_gated_delta_rule: fp32 inputs, outputs and final state (FLA refuses its backward on Hopper with Triton
-3.6, FLA #640).
-chunk_precond_gated_delta_rule (PGDN): fp32 inputs, outputs, final state S and final second moment A (no
-backward, FLA #640).
-The inputs in the files are exactly what FLA saw, so the differences are FLA's bf16/TF32 arithmetic: compared
-at DESIGN.md §4's bf16 tolerances. chunk_kda and chunk_precond_kda were not generated: FLA's compilation of
-chunk_kda outlasted 200 s even with one autotuning config (see docs/benchmarks.md).
+Every file holds q, k, v as FLA saw them in bf16 (fp32 arrays of bf16-rounded values), the other inputs in fp32.
+chunk_delta_rule: outputs, final state and every input gradient.
+chunk_gated_delta_rule: outputs and final state (FLA refuses its backward on Hopper with Triton 3.6, FLA #640).
+chunk_precond_gated_delta_rule (PGDN): outputs, final state S and final second moment A (no backward, FLA #640).
+chunk_kda: outputs, final state and every input gradient (per-channel decay g included).
+chunk_precond_kda (PKDA): outputs, S, A and every input gradient, the preconditioner's gates and its initial
+second moment included (generated with `--one-config`: FLA's first autotuning config only).
+The differences are FLA's bf16/TF32 arithmetic: compared at DESIGN.md §4's bf16 tolerances.
 """
 import os
 
@@ -19,7 +19,8 @@ from experiments import fla_golden
 from osdn_jax.testing import BF16_TOL, rel_rms
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "fla")
-GOLDEN = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_precond_gated_delta_rule")
+GOLDEN = ("chunk_delta_rule", "chunk_gated_delta_rule", "chunk_precond_gated_delta_rule", "chunk_kda",
+          "chunk_precond_kda")
 
 
 def _tolerance(name):
@@ -34,14 +35,26 @@ def test_against_fla(op):
   want = {k[4:]: data[k] for k in data.files if k.startswith("out_")}
   got, grads = fla_golden.ours(op, x)
   assert {"o", "S"} <= set(want)
+  if op in ("chunk_delta_rule", "chunk_kda", "chunk_precond_kda"):   # FLA ran the backward there
+    assert {"d_q", "d_k", "d_v", "d_beta"} <= set(want)
   for name, ref in want.items():
     ours = got[name] if not name.startswith("d_") else grads[name[2:]]
     assert rel_rms(ours, ref) <= _tolerance(name), (name, rel_rms(ours, ref))
 
 
-def test_the_comparison_can_fail():
-  """A wrong op (the decay dropped) is far outside the tolerance on the GDN file."""
-  data = np.load(os.path.join(DATA, "chunk_gated_delta_rule.npz"))
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda"])
+def test_the_comparison_can_fail(op):
+  """A wrong op (the decay dropped) is far outside the tolerance on the GDN and KDA files."""
+  data = np.load(os.path.join(DATA, f"{op}.npz"))
   x = {k[3:]: data[k] for k in data.files if k.startswith("in_") and k != "in_g"}
   got, _ = fla_golden.ours("chunk_delta_rule", x)
   assert rel_rms(got["o"], data["out_o"]) > 10 * _tolerance("o")
+
+
+def test_precond_kda_gradients_can_fail():
+  """The preconditioner's gate gradient in the PKDA file tells a wrong second-moment decay from the right one."""
+  data = np.load(os.path.join(DATA, "chunk_precond_kda.npz"))
+  x = {k[3:]: data[k] for k in data.files if k.startswith("in_")}
+  x["g_p"] = x["g_p"] * 0.5
+  _, grads = fla_golden.ours("chunk_precond_kda", x)
+  assert rel_rms(grads["g_p"], data["out_d_g_p"]) > 3 * _tolerance("d_g_p")

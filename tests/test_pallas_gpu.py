@@ -225,6 +225,36 @@ def test_state_pass_block_v():
   assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
 
 
+def test_fuse_inter_rule():
+  """`BlockSizes.fuse_inter="auto"` fuses the inter-chunk output into the state pass exactly when the chunk
+  states (state dtype) would outweigh the fp32 output and the state pass fills the GPU: KDA's chunk 16 in bf16
+  at B=8 HV=8, not DeltaNet's chunk 64, not with one batch row."""
+  from pallas_kernels.gpu import layout
+  st = lambda blocks=BlockSizes(), **kw: layout.Static(**{**dict(
+      batch=8, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128, value_dim=128, chunk=64, decay="none",
+      scale=1.0, same_keys=True, blocks=blocks, interpret=True, low_precision=True), **kw})
+  assert not st().fuse_inter and st(chunk=16, decay="channel").fuse_inter
+  assert not st(chunk=16, batch=1).fuse_inter and st(chunk=16, batch=1, segments=8).fuse_inter
+  assert not st(chunk=16, key_dim=32).fuse_inter and st(chunk=16, key_dim=64).fuse_inter
+  assert st(low_precision=False).fuse_inter and not st(low_precision=False, key_dim=64).fuse_inter
+  assert st(BlockSizes(fuse_inter=True), batch=1).fuse_inter and not st(BlockSizes(fuse_inter=False), chunk=16).fuse_inter
+  with pytest.raises(ValueError, match="fuse_inter"):
+    BlockSizes(fuse_inter="yes")
+
+
+def test_channel_chunk_rule():
+  """Per-channel decay runs at `chunk_channel` (16), or at `chunk_channel_serial` (32) when even BV = 16 would
+  leave the state passes under STATE_PROGRAMS programs; never above the requested chunk; other decays keep it."""
+  b = BlockSizes()
+  assert b.chunk_for("channel", 64) == 16 and b.chunk_for("channel", 64, lanes=64, vdim=128) == 16
+  assert b.chunk_for("channel", 64, lanes=8, vdim=128) == 32 and b.chunk_for("channel", 16, lanes=8, vdim=128) == 16
+  assert b.chunk_for("channel", 64, lanes=16, vdim=128) == 16          # 128 programs at BV 16
+  assert b.chunk_for("scalar", 64, lanes=1, vdim=16) == 64
+  assert BlockSizes(chunk_channel_serial=16).chunk_for("channel", 64, lanes=1, vdim=16) == 16
+  with pytest.raises(ValueError, match="chunk_channel_serial"):
+    BlockSizes(chunk_channel_serial=8)
+
+
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
 def test_fused_inter_packed(decay):
   """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass

@@ -64,8 +64,12 @@ class BlockSizes:
                 Off: on an H200 (B=4 T=4096 H=16 K=128) the split forward took 0.705 ms against 0.684 ms.
   fuse_inter:   the forward's state pass also forms each chunk's inter-chunk output (Q⊙e^G) S_in, fp32
                 [B, T, HV, V], and no longer writes the chunk states [B, HV, NC·K, V]; the output kernel adds
-                the intra-chunk part. Less forward memory (KDA at B=4 T=4096 H=16 K=V=128: 537 MB of bf16
-                chunk-16 states against 134 MB), one more dot per chunk in the sequential loop. Not timed yet.
+                the intra-chunk part. "auto" (`layout.Static.fuse_inter`): fuse when the chunk states would be
+                the larger array (K · size of the state dtype > 4 · chunk) and the state pass runs at least
+                STATE_PROGRAMS programs. H200, KDA chunk 16 (profile_pallas, one run each): B=4 T=4096 H=16
+                K=V=128, whole forward 1.376 → 1.240 ms, temp 671 → 268 MB; B=1 T=32768 H=8 (64 programs),
+                3.251 → 4.987 ms (the extra dot lengthens the serial loop). DeltaNet, chunk 64: 0.541 → 0.560
+                ms, 268 MB either way.
   factor_diag:  per-channel decay: the diagonal s×s blocks run as dots of factored operands whenever the
                 chunk's decays keep every factor ≤ e^40 (checked per program at run time; `intra.Channel`);
                 False: always the pairwise [s, s, kc] tensors.
@@ -76,6 +80,10 @@ class BlockSizes:
                 min(chunk_size, chunk_channel) (the chunk changes rounding only, not the function). 16
                 measured fastest on an H200 (docs/benchmarks.md): larger chunks unroll more sub-blocks
                 than the registers hold.
+  chunk_channel_serial: the same when few rows run (`chunk_for`): the state passes' serial chunk loop is
+                then the critical path, and fewer chunks halve it. H200, KDA B=1 T=32768 H=8 K=V=128
+                (profile_pallas, one run): chunk 16 → 32, whole forward 3.251 → 3.461 ms, whole backward
+                9.839 → 7.755 ms (state_bwd 4.249 → 2.823).
   """
   sub: int = 16
   block_v_state: int = 64     # H200 B=4 T=4096 H=16 K=128 (profile_pallas, one run, with warps_prep=2): state_fwd
@@ -95,10 +103,11 @@ class BlockSizes:
   warps_finish: int = 4
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int = 16
+  chunk_channel_serial: int = 32
   fp32_dots: str = "tf32x3"
   split_prep: bool = False
   factor_diag: bool = True
-  fuse_inter: bool = False
+  fuse_inter: bool | str = "auto"
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
            "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",
@@ -117,16 +126,24 @@ class BlockSizes:
     for name in ("block_k_diag", "block_k_pairs"):
       if getattr(self, name) > 64:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be ≤ 64 (registers)")
-    if self.chunk_channel not in CHUNK_SIZES:
-      raise ValueError(f"BlockSizes.chunk_channel={self.chunk_channel} must be one of {CHUNK_SIZES}")
+    for name in ("chunk_channel", "chunk_channel_serial"):
+      if getattr(self, name) not in CHUNK_SIZES:
+        raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be one of {CHUNK_SIZES}")
     if self.fp32_dots not in ("ieee", "tf32x3"):
       raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee' or 'tf32x3'")
+    if self.fuse_inter not in (True, False, "auto"):
+      raise ValueError(f"BlockSizes.fuse_inter={self.fuse_inter!r} must be True, False or 'auto'")
     if self.stages < 1:
       raise ValueError(f"BlockSizes.stages={self.stages} must be ≥ 1")
 
-  def chunk_for(self, decay: str, chunk: int) -> int:
-    """The chunk the kernels run at for a requested `chunk` and decay ("none" | "scalar" | "channel")."""
-    return min(chunk, max(self.chunk_channel, self.sub)) if decay == "channel" else chunk
+  def chunk_for(self, decay: str, chunk: int, lanes: int = 0, vdim: int = 0) -> int:
+    """The chunk the kernels run at for a requested `chunk` and decay ("none" | "scalar" | "channel").
+    Per-channel decay runs at `chunk_channel`, or at `chunk_channel_serial` when the state passes would run
+    fewer than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
+    if decay != "channel":
+      return chunk
+    serial = lanes and vdim and lanes * (vdim // 16) < STATE_PROGRAMS
+    return min(chunk, max(self.chunk_channel_serial if serial else self.chunk_channel, self.sub))
 
   def check(self, chunk: int) -> None:
     if chunk not in CHUNK_SIZES:

@@ -151,7 +151,8 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   """
   blocks.check(chunk_size)
   if log_decay is not None and jnp.ndim(log_decay) == 4:
-    chunk_size = blocks.chunk_for("channel", chunk_size)
+    rows = num_segments if segment_ids is not None and num_segments else q.shape[0]
+    chunk_size = blocks.chunk_for("channel", chunk_size, rows * v.shape[2], padded_dim(v.shape[-1]))
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:

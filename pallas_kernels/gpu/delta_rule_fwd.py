@@ -286,7 +286,7 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
     W, U = prep(st, k, kw, v, beta, G, T=T[0])
   else:
     W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
-  inter = st.blocks.fuse_inter
+  inter = st.fuse_inter
   V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info, q=q if inter else None)
   o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

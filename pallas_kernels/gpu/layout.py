@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.config import BlockSizes
+from pallas_kernels.gpu.config import STATE_PROGRAMS, BlockSizes
 
 _SQ = getattr(pl, "squeezed", None)      # a squeezed block dim (None in older JAX)
 
@@ -91,8 +91,7 @@ class Static:
   @property
   def state_block_v(self) -> int:
     """BV of the sequential state passes (`BlockSizes.v_block`: fewer columns when few rows run)."""
-    lanes = (self.segments or self.batch) * self.value_heads
-    return self.blocks.v_block("state", self.value_dim, self.key_dim, lanes)
+    return self.blocks.v_block("state", self.value_dim, self.key_dim, self.state_lanes)
 
   @property
   def state_stages(self) -> int:
@@ -100,6 +99,22 @@ class Static:
     a [K, BV] fp32 load inside the chunk loop, is pipelined too: an H200 refused stages=3 at K = 128, BV = 64
     for 329 KB of shared memory)."""
     return 1 if self.segments else self.stages
+
+  @property
+  def state_lanes(self) -> int:
+    """Independent rows of the sequential state passes: (batch rows or packed segments) × value heads."""
+    return (self.segments or self.batch) * self.value_heads
+
+  @property
+  def fuse_inter(self) -> bool:
+    """`BlockSizes.fuse_inter` resolved. "auto" fuses when the chunk states [NC·K, V] in the state dtype would
+    outweigh the fp32 inter-chunk output [T, V] and the state pass runs at least `STATE_PROGRAMS` programs
+    (with fewer, its serial chunk loop is the forward's critical path, and fusing lengthens every step)."""
+    if self.blocks.fuse_inter == "auto":
+      programs = self.state_lanes * (self.value_dim // self.state_block_v)
+      return (self.key_dim * jnp.dtype(self.mm).itemsize > 4 * self.chunk
+              and programs >= STATE_PROGRAMS)
+    return bool(self.blocks.fuse_inter)
 
   def kw_head(self, h):
     return lax.div(h, jnp.asarray(self.value_heads // self.kw_heads, h.dtype))
