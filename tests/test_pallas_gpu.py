@@ -126,10 +126,11 @@ def test_padded_dims_chunk64():
 def test_split_k(decay):
   """K = 32 in 16-column pieces: grads_state's K grid and scalar dG partial sums, grads_intra's K loops
   (none / scalar), grads_pairs' loop over K chunks inside one 32-column program (per channel), the K chunks
-  of the per-channel diagonal sub-blocks; V loops of two 16-column steps."""
+  of the per-channel diagonal sub-blocks; V loops of two 16-column steps; the forward state pass's state in two
+  16-row pieces (fused inter-chunk output with decay)."""
   p = random_problem(14, B=1, T=40, H=1, HV=2, K=32, V=32, decay=decay, k_write="key", initial_state=True)
   blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_k_pairs=16,
-                      block_v_grad=16)
+                      block_v_grad=16, state_k_piece=16, fuse_inter=decay != "none")
   _compare(p, jnp.float32, 16, blocks=blocks)
 
 
@@ -258,16 +259,18 @@ def test_channel_chunk_rule():
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
 def test_fused_inter_packed(decay):
   """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass
-  (`BlockSizes.fuse_inter`) equals the default path: outputs, final states and every gradient."""
-  p = random_problem(12, B=2, T=40, H=2, HV=2, K=16, V=32, decay=decay, k_write="value", initial_state=False)
+  (`BlockSizes.fuse_inter`, the state in two 16-row pieces) equals the default path: outputs, final states and
+  every gradient."""
+  p = random_problem(12, B=2, T=40, H=2, HV=2, K=32, V=32, decay=decay, k_write="value", initial_state=False)
   ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
-  s0 = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 16, 32)) / 4, jnp.float32)
+  s0 = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 32, 32)) / 4, jnp.float32)
 
   def run(fuse):
     def fn(q, k, v, beta, k_write, log_decay, initial_state):
       del initial_state
       return gpu.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=s0,
-                            segment_ids=ids, num_segments=4, chunk_size=16, blocks=BlockSizes(fuse_inter=fuse))
+                            segment_ids=ids, num_segments=4, chunk_size=16,
+                            blocks=BlockSizes(fuse_inter=fuse, state_k_piece=16 if fuse else 0))
     return vjp_all(fn, p.arrays(jnp.float32))
   got, want = run(True), run(False)
   assert set(got) == set(want) and len(got) >= 7, sorted(got)
@@ -352,14 +355,15 @@ def test_bf16_gradients_lower_to_triton(triton_lowering, capsys):
 def test_packed_lowers_to_triton(triton_lowering, capsys, fuse_inter):
   """Packed sequences (segment resets in both state passes: per-chunk int32 info, dynamic-row state loads
   and guarded stores) lower to verified Triton IR, bf16 inputs, scalar decay, traced segment ids; also with
-  the inter-chunk output formed by the forward's state pass."""
+  the inter-chunk output formed by the forward's state pass and its state in two 32-row pieces."""
   verified = triton_lowering
   b, t, h, hv, kd, n = 2, 80, 1, 2, 64, 5
   sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
 
   def loss(q, k, v, beta, g, s0, ids):
     o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, initial_state=s0, segment_ids=ids, num_segments=n,
-                          chunk_size=32, interpret=False, blocks=BlockSizes(fuse_inter=fuse_inter))
+                          chunk_size=32, interpret=False,
+                          blocks=BlockSizes(fuse_inter=fuse_inter, state_k_piece=32 if fuse_inter else 0))
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
   args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),

@@ -44,6 +44,10 @@ class BlockSizes:
   sub:          rows of the forward-substitution blocks of (I + A)⁻¹ and of the per-channel sub-blocks
                 (pairwise exponents on the diagonal ones); divides the chunk.
   block_v_state: V columns per program of the two sequential state passes (forward and reverse).
+  state_k_piece: rows of each piece the forward state pass keeps the [K, BV] state in (0: one tile): W S_in
+                is then a sum of independent [C, piece] × [piece, BV] dots, and each piece is updated on its own.
+                Not timed yet. At B=1 T=32768 H=8 K=V=128 our state pass took 0.79 ms and FLA's state kernel,
+                which keeps 64-row pieces, 0.504 ms (H200, docs/benchmarks.md).
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
@@ -88,6 +92,7 @@ class BlockSizes:
   sub: int = 16
   block_v_state: int = 64     # H200 B=4 T=4096 H=16 K=128 (profile_pallas, one run, with warps_prep=2): state_fwd
                               # 0.265 → 0.251 ms at 64 (0.170 with stages=3)
+  state_k_piece: int = 0
   block_v_out: int = 128
   block_v_grad: int = 128
   block_k_grad: int = 64
@@ -131,6 +136,9 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be one of {CHUNK_SIZES}")
     if self.fp32_dots not in ("ieee", "tf32x3"):
       raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee' or 'tf32x3'")
+    if self.state_k_piece and not (_pow2(self.state_k_piece) and 16 <= self.state_k_piece <= MAX_DIM):
+      raise ValueError(f"BlockSizes.state_k_piece={self.state_k_piece} must be 0 or a power of two in "
+                       f"[16, {MAX_DIM}]")
     if self.fuse_inter not in (True, False, "auto"):
       raise ValueError(f"BlockSizes.fuse_inter={self.fuse_inter!r} must be True, False or 'auto'")
     if self.stages < 1:

@@ -35,13 +35,14 @@ def _split(refs, *counts):
   return out
 
 
-def chunk_decay_rows(st, g_ref, t0):
-  """G of the chunk starting at token t0 from a whole-sequence ref: [C] or [C, K] (None without decay)."""
+def chunk_decay_rows(st, g_ref, t0, cols=None):
+  """G of the chunk starting at token t0 from a whole-sequence ref: [C] or [C, K] (per channel: the K columns
+  `cols`, a `pl.ds`, or all); None without decay."""
   if st.decay == "none":
     return None
   if st.decay == "scalar":
     return g_ref[pl.ds(t0, st.chunk)].astype(F32)
-  return g_ref[pl.ds(t0, st.chunk), :].astype(F32)
+  return g_ref[pl.ds(t0, st.chunk), slice(None) if cols is None else cols].astype(F32)
 
 
 def decay_to_end(st, G):
@@ -159,38 +160,50 @@ def _state_kernel(st, *refs, inter=False):
   has_g, packed = st.decay != "none", st.segments > 0
   w_ref, u_ref, kw_ref, g_ref, q_ref, info_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(
       refs, 1, 1, 1, int(has_g), int(inter), int(packed), 1, 1, 1, 1)
-  c_len, kd = st.chunk, st.key_dim
+  c_len, kd, kp = st.chunk, st.key_dim, st.state_k_piece
+  # The state's K rows as separate [kp, BV] tiles (one piece: the whole tile, indexed exactly as a plain load).
+  pieces = [pl.ds(i * kp, kp) for i in range(kd // kp)] if kp < kd else [slice(None)]
 
   def body(c, S):
     t0 = pl.multiple_of(c * c_len, c_len)
+    tokens = pl.ds(t0, c_len)
     if packed:                                   # a segment's first chunk starts from its initial state
       seg, first, last = L.decode_chunk_info(info_ref[c])
-      rows = pl.ds(pl.multiple_of(seg * kd, kd), kd)
-      S = jnp.where(first, s0_ref[rows, :].astype(F32), S)
-    vn = u_ref[pl.ds(t0, c_len), :].astype(F32) - dot(w_ref[pl.ds(t0, c_len), :], st.lo(S))
-    G = chunk_decay_rows(st, g_ref, t0) if has_g else None
+      base = pl.multiple_of(seg * kd, kd)
+      rows = [pl.ds(base + i * kp, kp) for i in range(len(pieces))]
+      S = [jnp.where(first, s0_ref[r, :].astype(F32), s) for r, s in zip(rows, S)]
+    ws = [dot(w_ref[tokens, ks], st.lo(s)) for ks, s in zip(pieces, S)]   # independent dots, then summed
+    vn = u_ref[tokens, :].astype(F32) - functools.reduce(jnp.add, ws)
+    G = [chunk_decay_rows(st, g_ref, t0, ks) for ks in pieces] if has_g else [None] * len(pieces)
     if inter:                                    # the output kernel's (Q⊙e^G) S_in, off the chain of S
-      q = row_scale(q_ref[pl.ds(t0, c_len), :].astype(F32), decay_rows(st, G))
-      sin_ref[pl.ds(t0, c_len), :] = dot(st.lo(q), st.lo(S))
+      qs = [row_scale(q_ref[tokens, ks].astype(F32), decay_rows(st, g)) for ks, g in zip(pieces, G)]
+      sin_ref[tokens, :] = functools.reduce(jnp.add, [dot(st.lo(q), st.lo(s)) for q, s in zip(qs, S)])
     else:
-      sin_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = S.astype(sin_ref.dtype)
-    vn_ref[pl.ds(t0, c_len), :] = vn.astype(vn_ref.dtype)
-    kw = kw_ref[pl.ds(t0, c_len), :].astype(F32)
-    if has_g:
-      to_end, gamma = decay_to_end(st, G)
-      kw = row_scale(kw, to_end)
-      S = S * gamma
-    S = S + dot(st.lo(kw), st.lo(vn), ta=True)
+      for i, s in enumerate(S):
+        sin_ref[pl.ds(pl.multiple_of(c * kd + i * kp, kp), kp), :] = s.astype(sin_ref.dtype)
+    vn_ref[tokens, :] = vn.astype(vn_ref.dtype)
+    new = []
+    for ks, s, g in zip(pieces, S, G):
+      kw = kw_ref[tokens, ks].astype(F32)
+      if has_g:
+        to_end, gamma = decay_to_end(st, g)
+        kw = row_scale(kw, to_end)
+        s = s * gamma
+      new.append(s + dot(st.lo(kw), st.lo(vn), ta=True))
     if packed:
       @pl.when(last)
       def _():                                   # a segment's last chunk leaves its final state
-        st_ref[rows, :] = S
-    return S
+        for r, s in zip(rows, new):
+          st_ref[r, :] = s
+    return new
 
   if packed:
-    lax.fori_loop(*L.lane_bounds(st, info_ref), body, jnp.zeros((kd, s0_ref.shape[-1]), F32))
+    S0 = [jnp.zeros((kp, s0_ref.shape[-1]), F32) for _ in pieces]
+    lax.fori_loop(*L.lane_bounds(st, info_ref), body, S0)
   else:
-    st_ref[...] = lax.fori_loop(0, st.num_chunks, body, s0_ref[...].astype(F32))
+    S_T = lax.fori_loop(0, st.num_chunks, body, [s0_ref[ks, :].astype(F32) for ks in pieces])
+    for ks, s in zip(pieces, S_T):
+      st_ref[ks, :] = s
 
 
 def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None):

@@ -94,6 +94,11 @@ class Static:
     return self.blocks.v_block("state", self.value_dim, self.key_dim, self.state_lanes)
 
   @property
+  def state_k_piece(self) -> int:
+    """Rows of each K piece of the forward state pass's state tile (`BlockSizes.state_k_piece`, ≤ K)."""
+    return min(self.blocks.state_k_piece or self.key_dim, self.key_dim)
+
+  @property
   def state_stages(self) -> int:
     """num_stages of the sequential state passes: `stages`, but 1 when packed (the per-segment initial state,
     a [K, BV] fp32 load inside the chunk loop, is pipelined too: an H200 refused stages=3 at K = 128, BV = 64
