@@ -141,15 +141,17 @@ def test_channel_two_sub_blocks():
   _compare(p, jnp.float32, 32, blocks=BlockSizes(chunk_channel=32))
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("factor_diag", [True, False])
-def test_extreme_gates(factor_diag):
+def test_extreme_gates(factor_diag, chunk):
   """Strong per-channel decays with values far below the −30 clamp, and β = 0 and β = 1 rows. With
-  factor_diag the first chunk's diagonal blocks are too steep to factor (pairwise) and the others factor."""
+  factor_diag the first chunk's diagonal blocks are too steep to factor (pairwise) and the others factor.
+  Chunk 32 is what one row runs at (`chunk_channel_serial`): two sub-blocks with off-diagonal blocks."""
   p = random_problem(10, B=1, T=40, H=1, HV=1, K=16, V=16, decay="channel", k_write="key", decay_bias=-3.0)
   p.log_decay[:, 5:9] = -100.0
   p.beta[:, 12:14] = 0.0
   p.beta[:, 20:22] = 1.0
-  got = vjp_all(_fn(gpu, chunk_size=16, blocks=BlockSizes(factor_diag=factor_diag)), p.arrays(jnp.float32))
+  got = vjp_all(_fn(gpu, chunk_size=chunk, blocks=BlockSizes(factor_diag=factor_diag)), p.arrays(jnp.float32))
   want = vjp_all(_fn(chunked, chunk_size=16), p.arrays(jnp.float32))
   assert_trees_close(got, want, jnp.float32)
 

@@ -143,11 +143,12 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
   Packed (`segment_ids` [B, T], `packed.py`): `num_segments` N must be given (static); initial_state and
   the final states are [N, HV, K, V].
-  `blocks` sets tile sizes and caps the chunk of per-channel decay (`BlockSizes.chunk_channel`); `interpret`
-  defaults to True on a CPU backend. With bf16 inputs and `bf16_matmuls` (the default), every dot except
-  those that build T = (I + A)⁻¹ and dA takes bf16 operands (fp32 accumulation, fp32 state) and the
-  intermediates are stored in bf16, as in FLA; fp32 inputs run every dot in fp32. fp32 dots run as TF32x3
-  when compiled (`BlockSizes.fp32_dots`; "ieee" for exact fp32) and in IEEE fp32 in interpret mode.
+  `blocks` sets tile sizes and caps the chunk of per-channel decay (`BlockSizes.chunk_for`: 16, or 32 when
+  few batch rows × value heads run); `interpret` defaults to True on a CPU backend. With bf16 inputs and
+  `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ and dA takes bf16 operands
+  (fp32 accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every
+  dot in fp32. fp32 dots run as TF32x3 when compiled (`BlockSizes.fp32_dots`; "ieee" for exact fp32) and in
+  IEEE fp32 in interpret mode.
   """
   blocks.check(chunk_size)
   if log_decay is not None and jnp.ndim(log_decay) == 4:
