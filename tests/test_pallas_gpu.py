@@ -240,7 +240,8 @@ def test_fuse_inter_rule():
   assert not st(chunk=16, batch=1).fuse_inter and st(chunk=16, batch=1, segments=8).fuse_inter
   assert not st(chunk=16, key_dim=32).fuse_inter and st(chunk=16, key_dim=64).fuse_inter
   assert st(low_precision=False).fuse_inter and not st(low_precision=False, key_dim=64).fuse_inter
-  assert st(BlockSizes(fuse_inter=True), batch=1).fuse_inter and not st(BlockSizes(fuse_inter=False), chunk=16).fuse_inter
+  assert st(BlockSizes(fuse_inter=True), batch=1).fuse_inter
+  assert not st(BlockSizes(fuse_inter=False), chunk=16).fuse_inter
   with pytest.raises(ValueError, match="fuse_inter"):
     BlockSizes(fuse_inter="yes")
 
@@ -256,6 +257,23 @@ def test_channel_chunk_rule():
   assert BlockSizes(chunk_channel_serial=16).chunk_for("channel", 64, lanes=1, vdim=16) == 16
   with pytest.raises(ValueError, match="chunk_channel_serial"):
     BlockSizes(chunk_channel_serial=8)
+
+
+def test_channel_chunk_rule_sees_the_rows(monkeypatch):
+  """`delta_rule` hands the chunk rule batch rows × value heads (packed: segments × value heads) and the padded
+  V (traced only: jax.eval_shape)."""
+  from pallas_kernels.gpu import config
+  seen = []
+  rule = config.BlockSizes.chunk_for
+  monkeypatch.setattr(config.BlockSizes, "chunk_for", lambda self, *a: seen.append(a) or rule(self, *a))
+  p = random_problem(3, B=2, T=40, H=2, HV=4, K=16, V=24, decay="channel", k_write="key")
+  a = p.arrays(jnp.float32)
+  ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
+  run = lambda **kw: jax.eval_shape(lambda a: gpu.delta_rule(
+      a["q"], a["k"], a["v"], a["beta"], k_write=a["k_write"], log_decay=a["log_decay"], **kw), a)
+  run()
+  run(segment_ids=ids, num_segments=5)
+  assert seen == [("channel", 64, 8, 32), ("channel", 64, 20, 32)]
 
 
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
