@@ -46,8 +46,9 @@ class BlockSizes:
   block_v_state: V columns per program of the two sequential state passes (forward and reverse).
   state_k_piece: rows of each piece the forward state pass keeps the [K, BV] state in (0: one tile): W S_in
                 is then a sum of independent [C, piece] × [piece, BV] dots, and each piece is updated on its own.
-                Not timed yet. At B=1 T=32768 H=8 K=V=128 our state pass took 0.79 ms and FLA's state kernel,
-                which keeps 64-row pieces, 0.504 ms (H200, docs/benchmarks.md).
+                H200, B=1 T=32768 H=8 K=V=128, DeltaNet state pass (profile_pallas, one run): 0.814 ms as one
+                tile, 0.796 at 64, 0.892 at 32: no use; what took it to 0.46 ms was letting K̃ load straight into
+                its dot (docs/benchmarks.md, eighth session).
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and

@@ -123,18 +123,21 @@ def _state_bwd_kernel(st, *refs):
       rows = pl.ds(pl.multiple_of(seg * kd, kd), kd)
       dS = jnp.where(last, dst_ref[rows, :].astype(F32), dS)
     dh_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = dS.astype(dh_ref.dtype)
-    kw = kw_ref[pl.ds(t0, c_len), :].astype(F32)
-    q = q_ref[pl.ds(t0, c_len), :].astype(F32)
-    gamma = None
+    kw, q, do = (r[pl.ds(t0, c_len), :] for r in (kw_ref, q_ref, do_ref))   # loads straight into the dots
+    gamma = k_rows = None
     if has_g:
       G = chunk_decay_rows(st, g_ref, t0)
       to_end, gamma = decay_to_end(st, G)
-      kw = row_scale(kw, to_end)
-      q = row_scale(q, jnp.exp(G))
-    dvn = dvl_ref[pl.ds(t0, c_len), :].astype(F32) + dot(st.lo(kw), st.lo(dS))
+      if st.decay == "scalar":                   # row factors on the [C, BV] side of each dot
+        k_rows = to_end
+        do = row_scale(do.astype(F32), jnp.exp(G))
+      else:
+        kw = row_scale(kw.astype(F32), to_end)
+        q = row_scale(q.astype(F32), jnp.exp(G))
+    dvn = dvl_ref[pl.ds(t0, c_len), :].astype(F32) + row_scale(dot(st.lo(kw), st.lo(dS)), k_rows)
     dvn_ref[pl.ds(t0, c_len), :] = dvn.astype(dvn_ref.dtype)
     dS = dS if gamma is None else dS * gamma
-    dS = (dS + st.scale * dot(st.lo(q), st.lo(do_ref[pl.ds(t0, c_len), :]), ta=True)
+    dS = (dS + st.scale * dot(st.lo(q), st.lo(do), ta=True)
           - dot(w_ref[pl.ds(t0, c_len), :], st.lo(dvn), ta=True))
     if packed:
       @pl.when(first)
