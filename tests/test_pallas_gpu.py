@@ -134,6 +134,21 @@ def test_split_k(decay):
   _compare(p, jnp.float32, 16, blocks=blocks)
 
 
+@pytest.mark.parametrize("k_write", ["value", "none"])
+def test_predecay(k_write):
+  """Per-channel decay with `BlockSizes.predecay`: the state passes read K̃ ⊙ e^{G_C − G} and Q ⊙ e^G formed by
+  `decayed_tiles`; against the oracle and the XLA path (GVA, odd T, a state), and equal to the default path
+  (the same bf16 operands, formed in another kernel)."""
+  p = random_problem(18, B=2, T=45, H=1, HV=2, K=32, V=16, decay="channel", k_write=k_write, initial_state=True)
+  _compare(p, jnp.float32, 16, blocks=BlockSizes(predecay=True))
+  got, want = (vjp_all(_fn(gpu, chunk_size=16, blocks=BlockSizes(predecay=pre)), p.arrays(jnp.bfloat16))
+               for pre in (True, False))
+  assert set(got) == set(want)
+  for name in got:
+    np.testing.assert_allclose(np.asarray(got[name], np.float32), np.asarray(want[name], np.float32),
+                               rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_channel_two_sub_blocks():
   """Per-channel decay at chunk 32 (BlockSizes.chunk_channel): two 16-row sub-blocks, factored off-diagonal
   and (decays allowing) factored diagonal blocks, odd T, GVA, asymmetric keys and a state."""
@@ -279,8 +294,8 @@ def test_channel_chunk_rule_sees_the_rows(monkeypatch):
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
 def test_fused_inter_packed(decay):
   """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass
-  (`BlockSizes.fuse_inter`, the state in two 16-row pieces) equals the default path: outputs, final states and
-  every gradient."""
+  (`BlockSizes.fuse_inter`, the state in two 16-row pieces; per channel also `predecay`'s tiles) equals the
+  default path: outputs, final states and every gradient."""
   p = random_problem(12, B=2, T=40, H=2, HV=2, K=32, V=32, decay=decay, k_write="value", initial_state=False)
   ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
   s0 = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 32, 32)) / 4, jnp.float32)
@@ -290,7 +305,8 @@ def test_fused_inter_packed(decay):
       del initial_state
       return gpu.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=s0,
                             segment_ids=ids, num_segments=4, chunk_size=16,
-                            blocks=BlockSizes(fuse_inter=fuse, state_k_piece=16 if fuse else 0))
+                            blocks=BlockSizes(fuse_inter=fuse, state_k_piece=16 if fuse else 0,
+                                              predecay=fuse))
     return vjp_all(fn, p.arrays(jnp.float32))
   got, want = run(True), run(False)
   assert set(got) == set(want) and len(got) >= 7, sorted(got)
@@ -368,6 +384,25 @@ def test_bf16_gradients_lower_to_triton(triton_lowering, capsys):
             jax.ShapeDtypeStruct((b, t, h), jnp.float32), g)
     jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
     assert "@delta_rule_grads_" in capsys.readouterr().out
+  assert all(verified), verified
+
+
+def test_predecay_lowers_to_triton(triton_lowering, capsys):
+  """Per-channel decay with `BlockSizes.predecay` (bf16, GVA, packed): `decayed_tiles` and both state passes
+  reading the head-major decayed tiles lower to verified Triton IR."""
+  verified = triton_lowering
+  b, t, h, hv, kd, n = 1, 64, 1, 2, 32, 2
+  sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+
+  def loss(q, k, v, beta, g, ids):
+    o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, segment_ids=ids, num_segments=n, chunk_size=16,
+                          interpret=False, blocks=BlockSizes(predecay=True))
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+  args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),
+          sd(b, t, hv, kd, dtype=jnp.float32), sd(b, t, dtype=jnp.int32))
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+  names = set(re.findall(r"@delta_rule_(\w+)\(", capsys.readouterr().out))
+  assert names == _expected_kernels("channel") | {"decayed_tiles"}, names
   assert all(verified), verified
 
 

@@ -49,6 +49,12 @@ class BlockSizes:
                 H200, B=1 T=32768 H=8 K=V=128, DeltaNet state pass (profile_pallas, one run): 0.814 ms as one
                 tile, 0.796 at 64, 0.892 at 32: no use; what took it to 0.46 ms was letting K̃ load straight into
                 its dot (docs/benchmarks.md, eighth session).
+  predecay:     per-channel decay: a chunk-parallel kernel (`delta_rule_fwd.decayed_tiles`) forms K̃ ⊙ e^{G_C − G}
+                (and, for the reverse pass, Q ⊙ e^G) in the state dtype, and the sequential state passes load
+                those tiles straight into their dots instead of scaling K̃ and Q at every chunk step (the same
+                bf16 operands, so the same rounding). For DeltaNet, feeding K̃ to its dot as loaded took the long
+                shape's state pass from 0.81 to 0.46 ms (H200); this costs [T, K] written and read twice. Not
+                timed yet, so off.
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
@@ -94,6 +100,7 @@ class BlockSizes:
   block_v_state: int = 64     # H200 B=4 T=4096 H=16 K=128 (profile_pallas, one run, with warps_prep=2): state_fwd
                               # 0.265 → 0.251 ms at 64 (0.170 with stages=3)
   state_k_piece: int = 0
+  predecay: bool = False
   block_v_out: int = 128
   block_v_grad: int = 128
   block_k_grad: int = 64

@@ -46,7 +46,7 @@ from pallas_kernels.gpu import layout as L
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, row_scale
 from pallas_kernels.gpu.config import pallas_call
 from pallas_kernels.gpu.delta_rule_fwd import (_split, chunk_decay_rows, decay_rows, decay_to_end,
-                                               launch_state_pass)
+                                               kw_spec, launch_state_pass)
 from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, load
 
 
@@ -131,7 +131,7 @@ def _state_bwd_kernel(st, *refs):
       if st.decay == "scalar":                   # row factors on the [C, BV] side of each dot
         k_rows = to_end
         do = row_scale(do.astype(F32), jnp.exp(G))
-      else:
+      elif not st.predecay:                      # (predecay: kw_ref, q_ref hold the decayed tiles already)
         kw = row_scale(kw.astype(F32), to_end)
         q = row_scale(q.astype(F32), jnp.exp(G))
     dvn = dvl_ref[pl.ds(t0, c_len), :].astype(F32) + row_scale(dot(st.lo(kw), st.lo(dS)), k_rows)
@@ -157,9 +157,9 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
   not written)."""
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
-  in_specs = [L.head_major(st, st.key_dim, w, whole=True),
-              L.tokens(st, st.key_dim, w, st.key_head, whole=True),
-              L.tokens(st, st.key_dim, w, st.kw_head, whole=True)]
+  q_spec = (L.head_major(st, st.key_dim, w, whole=True) if st.predecay
+            else L.tokens(st, st.key_dim, w, st.key_head, whole=True))
+  in_specs = [L.head_major(st, st.key_dim, w, whole=True), q_spec, kw_spec(st, w)]
   args = [W, q, kw]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
@@ -500,9 +500,10 @@ def backward(st: L.Static, residuals, do, dS_T):
   from pallas_kernels.gpu import delta_rule_fwd as fwd
   q, k, kw, v, beta, G, S0, info, T = residuals
   W, U = fwd.prep(st, k, kw, v, beta, G, T=T)
-  V_new, S_in, _ = fwd.state_pass(st, W, U, kw, G, S0, info)
+  kd, qd = fwd.decayed_tiles(st, kw, G, q) if st.predecay else (kw, q)
+  V_new, S_in, _ = fwd.state_pass(st, W, U, kd, G, S0, info)
   dvl = dv_local(st, q, kw, G, do)
-  dV_new, dS_out, dS0 = state_bwd(st, W, q, kw, G, do, dvl, dS_T, info)
+  dV_new, dS_out, dS0 = state_bwd(st, W, qd, kd, G, do, dvl, dS_T, info)
   dq_s, dws, dkw_s, dG_s = grads_state(st, q, kw, G, S_in, dS_out, V_new, dV_new, do)
   if st.decay == "scalar":
     dG_s = jnp.sum(dG_s, axis=0)

@@ -198,7 +198,7 @@ def _state_kernel(st, *refs, inter=False):
         to_end, gamma = decay_to_end(st, g)
         if st.decay == "scalar":                 # e^{G_C − G} on the rows of V_new, not of K̃
           vs = row_scale(vn, to_end)
-        else:
+        elif not st.predecay:                    # (predecay: kw_ref holds K̃ ⊙ e^{G_C − G} already)
           kw = row_scale(kw.astype(F32), to_end)
         s = s * gamma
       new.append(s + dot(st.lo(kw), st.lo(vs), ta=True))
@@ -218,14 +218,49 @@ def _state_kernel(st, *refs, inter=False):
       st_ref[ks, :] = s
 
 
+def kw_spec(st: L.Static, w):
+  """The state passes' whole-sequence K̃: token-major [B, T, Hkw, K], or with `Static.predecay` the head-major
+  K̃ ⊙ e^{G_C − G} [B, HV, T, K] of `decayed_tiles`."""
+  if st.predecay:
+    return L.head_major(st, st.key_dim, w, whole=True)
+  return L.tokens(st, st.key_dim, w, st.kw_head, whole=True)
+
+
+def _decayed_kernel(st, *refs):
+  kw_ref, g_ref, q_ref, kd_ref, qd_ref = _split(refs, 1, 1, int(len(refs) == 5), 1, int(len(refs) == 5))
+  G = load(g_ref, ALL)
+  kd_ref[...] = row_scale(load(kw_ref, ALL), jnp.exp(last_row(G)[None, :] - G)).astype(kd_ref.dtype)
+  if q_ref is not None:
+    qd_ref[...] = row_scale(load(q_ref, ALL), jnp.exp(G)).astype(qd_ref.dtype)
+
+
+def decayed_tiles(st: L.Static, kw, G, q=None):
+  """Per-channel decay, `Static.predecay`: K̃ ⊙ e^{G_C − G} (and with q also Q ⊙ e^G) [B, HV, T, K] in st.mm,
+  the operands the state passes would otherwise form from K̃ (Q) and G at every chunk step. Rounded as there."""
+  w = L.chunk_grid
+  in_specs = [L.tokens(st, st.key_dim, w, st.kw_head), L.decay_spec(st, w)]
+  args = [kw, G]
+  if q is not None:
+    in_specs.append(L.tokens(st, st.key_dim, w, st.key_head))
+    args.append(q)
+  n = 1 + (q is not None)
+  shape = jax.ShapeDtypeStruct((st.batch, st.value_heads, st.length, st.key_dim), st.mm)
+  out = pallas_call(lambda *refs: _decayed_kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks),
+                    in_specs=in_specs, out_specs=[L.head_major(st, st.key_dim, w)] * n, out_shape=[shape] * n,
+                    interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
+                    fp32_dots=st.blocks.fp32_dots, name="delta_rule_decayed_tiles")(*args)
+  return tuple(out) if q is not None else out[0]
+
+
 def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None):
   """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32). Packed (`info` as
   `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written. With q
-  [B, T, H, K] the second result is instead the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32."""
+  [B, T, H, K] the second result is instead the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32. With
+  `Static.predecay`, kw is `decayed_tiles`' K̃ ⊙ e^{G_C − G}."""
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
-              L.tokens(st, st.key_dim, w, st.kw_head, whole=True)]
+              kw_spec(st, w)]
   args = [W, U, kw]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
@@ -312,6 +347,7 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
   else:
     W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
   inter = st.fuse_inter
-  V_new, S_in, S_T = state_pass(st, W, U, kw, G, S0, info, q=q if inter else None)
+  kd = decayed_tiles(st, kw, G) if st.predecay else kw
+  V_new, S_in, S_T = state_pass(st, W, U, kd, G, S0, info, q=q if inter else None)
   o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

@@ -106,6 +106,11 @@ class Static:
     return 1 if self.segments else self.stages
 
   @property
+  def predecay(self) -> bool:
+    """Per-channel decay with `BlockSizes.predecay`: the state passes read pre-decayed K̃ (and Q) tiles."""
+    return self.decay == "channel" and self.blocks.predecay
+
+  @property
   def state_lanes(self) -> int:
     """Independent rows of the sequential state passes: (batch rows or packed segments) × value heads."""
     return (self.segments or self.batch) * self.value_heads
