@@ -46,7 +46,7 @@ from pallas_kernels.gpu import layout as L
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, row_scale
 from pallas_kernels.gpu.config import pallas_call
 from pallas_kernels.gpu.delta_rule_fwd import (_split, chunk_decay_rows, decay_rows, decay_to_end,
-                                               kw_spec, launch_state_pass)
+                                               key_spec, launch_state_pass)
 from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, load
 
 
@@ -157,9 +157,8 @@ def state_bwd(st: L.Static, W, q, kw, G, do, dvl, dS_T, info=None):
   not written)."""
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
-  q_spec = (L.head_major(st, st.key_dim, w, whole=True) if st.predecay
-            else L.tokens(st, st.key_dim, w, st.key_head, whole=True))
-  in_specs = [L.head_major(st, st.key_dim, w, whole=True), q_spec, kw_spec(st, w)]
+  in_specs = [L.head_major(st, st.key_dim, w, whole=True), key_spec(st, w, st.key_head),
+              key_spec(st, w, st.kw_head)]
   args = [W, q, kw]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))

@@ -99,13 +99,14 @@ def _prep_kernel(st, mode, *refs):
       t_ref[block(a, s), :] = T[a]
   if not wu:
     return
-  # Row factors of K and V go on T's columns, so that K and V load straight into the dots (README, "Loads go
+  # Row factors of K and V go on T's columns, so that K and V load straight into the dots (gpu/README.md, "Loads go
   # straight into dots"; H200: main-shape prep 0.273 → 0.212 ms).
   beta = load(beta_ref, ALL)
   if st.decay == "channel":
     kf, k = beta, st.lo(row_scale(load(k_ref, ALL), decay_rows(st, load(g_ref, ALL))))
   else:
-    kf, k = beta * decay_rows(st, load(g_ref, ALL)) if has_g else beta, load(k_ref, ALL, dtype=None)
+    kf = beta * decay_rows(st, load(g_ref, ALL)) if has_g else beta
+    k = load(k_ref, ALL, dtype=None)
   for a in range(n):
     w_ref[block(a, s), :] = dot(st.lo(T[a] * kf[None, :]), k).astype(w_ref.dtype)
   v = load(v_ref, ALL, dtype=None)
@@ -218,12 +219,12 @@ def _state_kernel(st, *refs, inter=False):
       st_ref[ks, :] = s
 
 
-def kw_spec(st: L.Static, w):
-  """The state passes' whole-sequence K̃: token-major [B, T, Hkw, K], or with `Static.predecay` the head-major
-  K̃ ⊙ e^{G_C − G} [B, HV, T, K] of `decayed_tiles`."""
+def key_spec(st: L.Static, w, head):
+  """A state pass's whole-sequence K̃ or Q: token-major [B, T, heads, K] (value head → `head`), or with
+  `Static.predecay` the head-major decayed tile [B, HV, T, K] of `decayed_tiles`."""
   if st.predecay:
     return L.head_major(st, st.key_dim, w, whole=True)
-  return L.tokens(st, st.key_dim, w, st.kw_head, whole=True)
+  return L.tokens(st, st.key_dim, w, head, whole=True)
 
 
 def _decayed_kernel(st, *refs):
@@ -260,7 +261,7 @@ def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None):
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
-              kw_spec(st, w)]
+              key_spec(st, w, st.kw_head)]
   args = [W, U, kw]
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w, whole=True))
