@@ -261,6 +261,22 @@ def test_fuse_inter_rule():
     BlockSizes(fuse_inter="yes")
 
 
+def test_predecay_rule():
+  """`BlockSizes.predecay="auto"` pre-decays the state passes' tiles exactly for per-channel decay when those
+  passes run fewer than STATE_PROGRAMS programs at BV 16: the long benchmark shape (B=1, HV=8), not the main
+  one (B=4, HV=16); never without per-channel decay; True / False as given."""
+  from pallas_kernels.gpu import layout
+  st = lambda blocks=BlockSizes(), **kw: layout.Static(**{**dict(
+      batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128, value_dim=128, chunk=32,
+      decay="channel", scale=1.0, same_keys=True, blocks=blocks, interpret=True, low_precision=True), **kw})
+  assert st().predecay and not st(batch=4, heads=16, value_heads=16, kw_heads=16).predecay
+  assert not st(decay="scalar").predecay and not st(segments=16).predecay and st(value_dim=64, batch=2).predecay
+  assert st(BlockSizes(predecay=True), batch=8).predecay and not st(BlockSizes(predecay=False)).predecay
+  assert not st(BlockSizes(predecay=True), decay="none").predecay
+  with pytest.raises(ValueError, match="predecay"):
+    BlockSizes(predecay="yes")
+
+
 def test_channel_chunk_rule():
   """Per-channel decay runs at `chunk_channel` (16), or at `chunk_channel_serial` (32) when even BV = 16 would
   leave the state passes under STATE_PROGRAMS programs; never above the requested chunk; other decays keep it."""

@@ -52,9 +52,11 @@ class BlockSizes:
   predecay:     per-channel decay: a chunk-parallel kernel (`delta_rule_fwd.decayed_tiles`) forms K̃ ⊙ e^{G_C − G}
                 (and, for the reverse pass, Q ⊙ e^G) in the state dtype, and the sequential state passes load
                 those tiles straight into their dots instead of scaling K̃ and Q at every chunk step (the same
-                bf16 operands, so the same rounding). For DeltaNet, feeding K̃ to its dot as loaded took the long
-                shape's state pass from 0.81 to 0.46 ms (H200); this costs [T, K] written and read twice. Not
-                timed yet, so off.
+                bf16 operands, so the same rounding); this costs [T, K] written and read twice. "auto"
+                (`layout.Static.predecay`): when the state passes run few programs (the `chunk_for` serial
+                case), where their chunk loop is the critical path. H200, KDA, profile_pallas --runs 10, off →
+                on: B=1 T=32768 H=8 K=V=128 (chunk 32), whole forward 3.410 → 3.081 ms, backward 8.069 →
+                6.812; B=4 T=4096 H=16 (chunk 16), forward 1.223 → 1.258, backward 4.456 → 4.667.
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
@@ -100,7 +102,7 @@ class BlockSizes:
   block_v_state: int = 64     # H200 B=4 T=4096 H=16 K=128 (profile_pallas, one run, with warps_prep=2): state_fwd
                               # 0.265 → 0.251 ms at 64 (0.170 with stages=3)
   state_k_piece: int = 0
-  predecay: bool = False
+  predecay: bool | str = "auto"
   block_v_out: int = 128
   block_v_grad: int = 128
   block_k_grad: int = 64
@@ -147,6 +149,8 @@ class BlockSizes:
     if self.state_k_piece and not (_pow2(self.state_k_piece) and 16 <= self.state_k_piece <= MAX_DIM):
       raise ValueError(f"BlockSizes.state_k_piece={self.state_k_piece} must be 0 or a power of two in "
                        f"[16, {MAX_DIM}]")
+    if self.predecay not in (True, False, "auto"):
+      raise ValueError(f"BlockSizes.predecay={self.predecay!r} must be True, False or 'auto'")
     if self.fuse_inter not in (True, False, "auto"):
       raise ValueError(f"BlockSizes.fuse_inter={self.fuse_inter!r} must be True, False or 'auto'")
     if self.stages < 1:
@@ -158,8 +162,14 @@ class BlockSizes:
     fewer than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
     if decay != "channel":
       return chunk
-    serial = lanes and vdim and lanes * (vdim // 16) < STATE_PROGRAMS
+    serial = self.serial(lanes, vdim)
     return min(chunk, max(self.chunk_channel_serial if serial else self.chunk_channel, self.sub))
+
+  @staticmethod
+  def serial(lanes: int, vdim: int) -> bool:
+    """Whether the sequential state passes run fewer than STATE_PROGRAMS programs even at BV 16 (`lanes` rows
+    of padded width `vdim`; 0: unknown, False)."""
+    return bool(lanes and vdim and lanes * (vdim // 16) < STATE_PROGRAMS)
 
   def check(self, chunk: int) -> None:
     if chunk not in CHUNK_SIZES:

@@ -107,8 +107,13 @@ class Static:
 
   @property
   def predecay(self) -> bool:
-    """Per-channel decay with `BlockSizes.predecay`: the state passes read pre-decayed K̃ (and Q) tiles."""
-    return self.decay == "channel" and self.blocks.predecay
+    """Per-channel decay with `BlockSizes.predecay` resolved: the state passes read pre-decayed K̃ (and Q)
+    tiles. "auto": when they run few programs (`BlockSizes.serial`)."""
+    if self.decay != "channel":
+      return False
+    if self.blocks.predecay == "auto":
+      return self.blocks.serial(self.state_lanes, self.value_dim)
+    return bool(self.blocks.predecay)
 
   @property
   def state_lanes(self) -> int:
