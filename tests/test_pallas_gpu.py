@@ -261,6 +261,19 @@ def test_fuse_inter_rule():
     BlockSizes(fuse_inter="yes")
 
 
+@pytest.mark.parametrize("shape", [(2, 48, 3), (2, 48, 3, 5)])
+def test_chunk_cumsum(shape):
+  """The wrapper's in-chunk cumsum (a ones-product for per-channel decays) and its transpose equal jnp.cumsum's
+  per chunk, scalar and per-channel shapes."""
+  from pallas_kernels.gpu.delta_rule import _chunk_cumsum
+  rng = np.random.default_rng(3)
+  g, w = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+  ref = lambda g: jnp.cumsum(g.reshape(2, 3, 16, *shape[2:]), axis=2).reshape(shape)
+  np.testing.assert_allclose(_chunk_cumsum(g, 16), ref(g), rtol=1e-6, atol=1e-6)
+  grad = lambda f: jax.grad(lambda g: jnp.sum(f(g) * w))(g)
+  np.testing.assert_allclose(grad(lambda g: _chunk_cumsum(g, 16)), grad(ref), rtol=1e-6, atol=1e-6)
+
+
 def test_predecay_rule():
   """`BlockSizes.predecay="auto"` pre-decays the state passes' tiles exactly for per-channel decay when those
   passes run fewer than STATE_PROGRAMS programs at BV 16: the long benchmark shape (B=1, HV=8), not the main
