@@ -378,10 +378,11 @@ def _expected_kernels(decay):
 def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
   """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification, every
   kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in plain
-  TF32 (fp32 inputs: TF32x3, BlockSizes.fp32_dots)."""
+  TF32 (fp32 inputs: TF32x3, BlockSizes.fp32_dots). Per-channel decay without `predecay` (which "auto" would
+  pick at this size; `test_predecay_lowers_to_triton` lowers that path)."""
   verified = triton_lowering
   b, t, h, hv, kd = 1, 64, 1, 2, 64
-  blocks = BlockSizes(block_k_grad=32)
+  blocks = BlockSizes(block_k_grad=32, predecay=False)
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for decay, g in (("none", None), ("scalar", sd(b, t, hv)), ("channel", sd(b, t, hv, kd))):
     def loss(q, k, v, beta, g, kw):
