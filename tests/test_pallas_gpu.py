@@ -171,6 +171,100 @@ def test_extreme_gates(factor_diag, chunk):
   assert_trees_close(got, want, jnp.float32)
 
 
+def _kernel_names(fn, *args):
+  """The names of the pallas_calls in fn's jaxpr (nested jaxprs included)."""
+  names = set()
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        names.update(re.findall(r"delta_rule_(\w+)", str(eqn.params.get("name", "")) +
+                                str(eqn.params.get("name_and_src_info", ""))))
+      for v in eqn.params.values():
+        for j in (v if isinstance(v, (list, tuple)) else [v]):
+          if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+            walk(j.jaxpr)
+          elif hasattr(j, "eqns"):
+            walk(j)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+# (seed, B, T, H, HV, K, k_write, initial state, blocks): odd T with GVA, value-head write keys, a state and two
+# K steps in `scores`; strong decays (some diagonal blocks too steep to factor, rewritten pairwise), β = 0 / 1.
+WIDE = {"gva-asym-odd": (22, 1, 45, 1, 2, 32, "value", True, BlockSizes(block_k_scores=16)),
+        "steep": (23, 1, 100, 1, 1, 16, "key", False, BlockSizes())}
+
+
+@pytest.mark.parametrize("case", WIDE)
+def test_wide_forward(case):
+  """A per-channel forward that is not differentiated runs at `chunk_channel_forward` (64, four sub-blocks,
+  `scores` first) where the state passes run few programs: outputs and final states against the fp64 oracle
+  and the XLA path; under autodiff the same call runs at `chunk_for`'s chunk (no `scores`)."""
+  seed, b, t, h, hv, kd, kw, s0, blocks = WIDE[case]
+  p = random_problem(seed, B=b, T=t, H=h, HV=hv, K=kd, V=16, decay="channel", k_write=kw, initial_state=s0,
+                     decay_bias=-3.0 if case == "steep" else 0.0)
+  if case == "steep":
+    p.log_decay[:, 5:9] = -100.0
+    p.log_decay[:, 70:72] = 0.0
+    p.beta[:, 12:14] = 0.0
+    p.beta[:, 20:22] = 1.0
+  a = p.arrays(jnp.float32)
+  run = lambda impl, **kw: dict(zip("oS", impl(**a, **kw)))
+  fwd = lambda **arrays: _fn(gpu, blocks=blocks)(**arrays)
+  assert "scores" in _kernel_names(lambda a: fwd(**a), a)
+  assert "scores" not in _kernel_names(lambda a: jax.vjp(lambda q: fwd(**dict(a, q=q)), a["q"])[0], a)
+  got = run(jax.jit(fwd))
+  want = dict(zip("oS", _fn(naive)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
+  assert_trees_close(got, want, jnp.float32)
+  assert_trees_close(got, run(_fn(chunked, chunk_size=16)), jnp.float32)
+
+
+def test_scores_kernel():
+  """`delta_rule_fwd.scores` at chunk 64 against the dense formulas: A_ij = β_i Σ_c k_ic k̃_jc e^{G_ic − G_jc}
+  (j < i) and P_ij = Σ_c q_ic k̃_jc e^{G_ic − G_jc} (j ≤ i) within each chunk, zeros elsewhere; one chunk's
+  decays too steep for the factored diagonal blocks (their pairwise rewrite), every block written."""
+  rng = np.random.default_rng(24)
+  b, t, hv, kd, c = 1, 128, 2, 32, 64
+  n = lambda *shape: rng.normal(size=shape)
+  q, k, kw = (n(b, t, hv, kd) / np.sqrt(kd) for _ in range(3))
+  beta = 1 / (1 + np.exp(-n(b, hv, t)))
+  g = -np.logaddexp(0, -(n(b, t, hv, kd) + 2))
+  g[:, 70:74] = -30.0                                          # chunk 1: steep diagonal blocks
+  G = np.cumsum(g.reshape(b, t // c, c, hv, kd), axis=2).reshape(b, t, hv, kd)
+  st = layout.Static(batch=b, length=t, heads=hv, value_heads=hv, kw_heads=hv, key_dim=kd, value_dim=16, chunk=c,
+                     decay="channel", scale=1.0, same_keys=False, blocks=BlockSizes(block_k_scores=16),
+                     interpret=True)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  A, P = delta_rule_fwd.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G))
+  Gc = G.reshape(b, t // c, c, hv, kd)
+  e = np.exp(Gc[:, :, :, None] - Gc[:, :, None, :])            # [b, nc, i, j, hv, kd]
+  dense = lambda x: np.einsum("bnihc,bnjhc,bnijhc->bhnij", x.reshape(Gc.shape), kw.reshape(Gc.shape), e)
+  i, j = np.arange(c)[:, None], np.arange(c)[None, :]
+  want_a = np.where(i > j, dense(k), 0.0) * beta.reshape(b, hv, t // c, c)[..., None]
+  want_p = np.where(i >= j, dense(q), 0.0)
+  for got, want in ((A, want_a), (P, want_p)):
+    got = np.asarray(got).reshape(b, hv, t // c, c, c)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_forward_chunk_rule():
+  """`BlockSizes.forward_chunk`: per-channel, unpacked, few state-pass programs (the long benchmark shape):
+  `chunk_channel_forward`, at most the requested chunk, only when wider than `chunk_for`'s; else 0."""
+  b = BlockSizes()
+  assert b.forward_chunk("channel", 64, 32, False, lanes=8, vdim=128) == 64
+  assert b.forward_chunk("channel", 64, 16, False, lanes=64, vdim=128) == 0          # the main shape
+  assert b.forward_chunk("channel", 64, 32, True, lanes=8, vdim=128) == 0            # packed
+  assert b.forward_chunk("scalar", 64, 64, False, lanes=8, vdim=128) == 0
+  assert b.forward_chunk("channel", 32, 32, False, lanes=8, vdim=128) == 0
+  assert BlockSizes(chunk_channel_forward=0).forward_chunk("channel", 64, 32, False, lanes=8, vdim=128) == 0
+  with pytest.raises(ValueError, match="chunk_channel_forward"):
+    BlockSizes(chunk_channel_forward=48)
+  with pytest.raises(ValueError, match="block_k_scores"):
+    BlockSizes(block_k_scores=128)
+
+
 def test_chaining_and_traced_scale():
   """Two halves through the final state equal one run; a traced scale equals the same static one."""
   p = random_problem(11, B=1, T=48, H=2, HV=2, K=16, V=16, decay="scalar", k_write="key")
@@ -433,6 +527,21 @@ def test_predecay_lowers_to_triton(triton_lowering, capsys):
   jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
   names = set(re.findall(r"@delta_rule_(\w+)\(", capsys.readouterr().out))
   assert names == _expected_kernels("channel") | {"decayed_tiles"}, names
+  assert all(verified), verified
+
+
+def test_wide_forward_lowers_to_triton(triton_lowering, capsys):
+  """The per-channel forward without autodiff at chunk 64 (`scores`, prep from the given A, the pre-decayed
+  state pass, the output from the given scores) lowers to verified Triton IR, fp32 inputs in TF32x3."""
+  verified = triton_lowering
+  b, t, h, kd = 1, 128, 2, 32
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  f = lambda q, k, v, beta, g: gpu.delta_rule(q, k, v, beta, log_decay=g, interpret=False)
+  jax.jit(f).trace(sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h), sd(b, t, h, kd)).lower(
+      lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == {"scores", "prep", "decayed_tiles", "state_fwd", "output"}
+  assert "inputPrecision = tf32x3" in ir and not re.search(r"inputPrecision = tf32(?!x3)", ir)
   assert all(verified), verified
 
 

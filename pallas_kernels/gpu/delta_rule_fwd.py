@@ -10,6 +10,10 @@
             emits the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32 instead of the states.
 3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new) — one
             [C, K] × [K, C] score dot without per-channel decay, s×s sub-blocks with it.
+Per-channel decay at chunks of more than two sub-blocks (`Static.scores_first`: the undifferentiated forward at
+`BlockSizes.chunk_channel_forward`) runs `scores` first, grid (B, HV, NC): the chunk's Gram A and its intra
+output scores [C, C], which prep inverts and the output kernel multiplies (neither then holds the factored
+sub-block operands of a whole chunk).
 """
 from __future__ import annotations
 
@@ -21,9 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import layout as L
-from pallas_kernels.gpu.chunk_math import F32, dot, last_row, row_scale
+from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, masked_exp, row_scale
 from pallas_kernels.gpu.config import pallas_call
-from pallas_kernels.gpu.intra import ALL, Channel, block, decay_factor, full_scores, inverse_rows, load
+from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, inverse_rows, load
 
 
 def _split(refs, *counts):
@@ -83,18 +87,21 @@ def decay_rows(st, g):
   return None if g is None else jnp.exp(g)
 
 
-def _prep_kernel(st, mode, *refs):
-  """mode "wu": W, U; "wut": also T; "t": T only; "from_t": W, U from a given T (no Gram, no inverse)."""
+def _prep_kernel(st, source, wu, emit_t, *refs):
+  """T from `source` ("gram": the Gram blocks of K, K̃; "a": a given A [C, C] from `scores`; "t": a given T),
+  then W, U when wu, and T stored when emit_t."""
   has_g = st.decay != "none"
-  given, wu = mode == "from_t", mode != "t"
-  k_ref, kw_ref, v_ref, beta_ref, g_ref, t_in, w_ref, u_ref, t_ref = _split(
-      refs, 1, int(not given), int(wu), 1, int(has_g), int(given), int(wu), int(wu), int(mode in ("wut", "t")))
+  k_ref, kw_ref, v_ref, beta_ref, g_ref, given_ref, w_ref, u_ref, t_ref = _split(
+      refs, int(wu or source == "gram"), int(source == "gram"), int(wu), 1, int(has_g), int(source != "gram"),
+      int(wu), int(wu), int(emit_t))
   s, n = st.sub, st.num_sub
-  if given:
-    T = [t_in[block(a, s), :] for a in range(n)]
+  if source == "t":
+    T = [given_ref[block(a, s), :] for a in range(n)]
+  elif source == "a":
+    T = inverse_rows({(a, m): given_ref[block(a, s), block(m, s)] for a in range(n) for m in range(a + 1)}, n, s)
   else:
     T = inverse_rows(gram_blocks(st, k_ref, kw_ref, beta_ref, g_ref), n, s)
-  if t_ref is not None:
+  if emit_t:
     for a in range(n):
       t_ref[block(a, s), :] = T[a]
   if not wu:
@@ -114,17 +121,21 @@ def _prep_kernel(st, mode, *refs):
     u_ref[block(a, s), :] = dot(st.lo(T[a] * beta[None, :]), v).astype(u_ref.dtype)
 
 
-def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, mode=None):
-  """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T = (I + A)⁻¹ [B, HV, T, C] fp32 when emit_t). Given
-  T (the forward's, in the backward), only W and U are formed from it. mode "t" (`inverse`): T alone."""
+def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=None, wu: bool = True):
+  """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T = (I + A)⁻¹ [B, HV, T, C] fp32 when emit_t). T is
+  formed from the Gram blocks of k, kw; or from A = diag(β) strictLower(P) [B, HV, T, C] fp32 when given
+  (`scores`); or given itself (the forward's T, in the backward: only W and U are formed). wu=False: T alone."""
   w = L.chunk_grid
-  mode = mode or ("from_t" if T is not None else ("wut" if emit_t else "wu"))
-  in_specs = [L.tokens(st, st.key_dim, w, st.key_head)]
-  args = [k]
-  if T is None:
+  source = "t" if T is not None else ("a" if A is not None else "gram")
+  emit_t = emit_t and source != "t"
+  in_specs, args = [], []
+  if wu or source == "gram":
+    in_specs.append(L.tokens(st, st.key_dim, w, st.key_head))
+    args.append(k)
+  if source == "gram":
     in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
     args.append(kw)
-  if mode != "t":
+  if wu:
     in_specs.append(L.tokens(st, st.value_dim, w))
     args.append(v)
   in_specs.append(L.vector(st, w))
@@ -132,31 +143,110 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, mode=
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
-  if T is not None:
+  if source != "gram":
     in_specs.append(L.head_major(st, st.chunk, w))
-    args.append(T)
+    args.append(T if source == "t" else A)
   hv, t = (st.batch, st.value_heads), st.length
   out_specs, out_shape = [], []
-  if mode != "t":
+  if wu:
     out_specs += [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
     out_shape += [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm),
                   jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
-  if mode in ("wut", "t"):
+  if emit_t:
     out_specs.append(L.head_major(st, st.chunk, w))
     out_shape.append(jax.ShapeDtypeStruct((*hv, t, st.chunk), F32))
-  kernel = lambda *refs: _prep_kernel(st, mode, *refs)
-  name = {"from_t": "delta_rule_wu", "t": "delta_rule_inverse"}.get(mode, "delta_rule_prep")
+  kernel = lambda *refs: _prep_kernel(st, source, wu, emit_t, *refs)
+  name = {"t": "delta_rule_wu"}.get(source, "delta_rule_prep" if wu else "delta_rule_inverse")
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=st.blocks.warps_prep_channel if st.decay == "channel" else st.blocks.warps_prep,
+                     num_warps=_prep_warps(st, source),
                      num_stages=st.stages,
                      fp32_dots=st.blocks.fp32_dots, name=name)(*args)
 
 
-def inverse(st: L.Static, k, kw, beta, G):
-  """→ T = (I + A)⁻¹ [B, HV, T, C] fp32 alone (the Gram blocks and the block forward substitution)."""
-  T, = prep(st, k, kw, None, beta, G, mode="t")
+def _prep_warps(st, source):
+  if st.decay != "channel":
+    return st.blocks.warps_prep
+  return st.blocks.warps_prep_scores if source == "a" else st.blocks.warps_prep_channel
+
+
+def inverse(st: L.Static, k, kw, beta, G, A=None):
+  """→ T = (I + A)⁻¹ [B, HV, T, C] fp32 alone (from the Gram blocks, or from a given A)."""
+  T, = prep(st, k, kw, None, beta, G, A=A, emit_t=True, wu=False)
   return T
+
+
+def _ref_rows(g_ref, s, n, offset, cols, first):
+  """[C, kc]: on the rows of sub-block a, G at row a·s + offset (row block 0: `first`, a [C, kc] value)."""
+  rb = iota(first.shape, 0) // s
+  out = first
+  for a in range(1, n) if offset < 0 else range(n):
+    out = jnp.where(rb == a, load(g_ref, a * s + offset, cols)[None, :], out)
+  return out
+
+
+def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
+  """One chunk, as whole-chunk dots over K column steps: block (a, m < a) is (x_a ⊙ e^{G_a − r_a})(y_m ⊙
+  e^{r_a − G_m})ᵀ with r_a the row a·s − 1 (both factors ≤ 1): for each a one [C, kc] × [kc, C] dot whose
+  rows of block a and columns of blocks < a are kept. The diagonal blocks: one more dot factored through each
+  block's middle row, kept when `Channel.factored_ok`; else they are rewritten pairwise afterwards."""
+  s, n, c = st.sub, st.num_sub, st.chunk
+  kc = st.blocks.k_block("scores", st.key_dim)
+  ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
+  ok = ch.factored_ok(range(n)) if st.blocks.factor_diag else False
+  rb, cb = iota((c, c), 0) // s, iota((c, c), 1) // s
+  diag_kk = (rb == cb) & causal(c, strict=True) & ok
+  diag_qk = (rb == cb) & causal(c, strict=False) & ok
+  row = iota((c, kc), 0)
+
+  def step(i, acc):
+    kk, qk = acc
+    cols = pl.ds(pl.multiple_of(i * kc, kc), kc)
+    G = load(g_ref, ALL, cols)
+    k, q, kw = load(k_ref, ALL, cols), load(q_ref, ALL, cols), load(kw_ref, ALL, cols)
+    x = jnp.exp(G - _ref_rows(g_ref, s, n, -1, cols, G))            # ≤ 1 (1 on block 0, unused there)
+    xk, xq = k * x, st.lo(q * x)
+    for a in range(1, n):
+      y = kw * masked_exp(load(g_ref, a * s - 1, cols)[None, :] - G, row < a * s)   # ≤ 1
+      keep = (rb == a) & (cb < a)
+      kk = kk + jnp.where(keep, dot(xk, y, tb=True), 0.0)
+      qk = qk + jnp.where(keep, dot(xq, st.lo(y), tb=True), 0.0)
+    d = G - _ref_rows(g_ref, s, n, s // 2 - 1, cols, G)             # through each block's middle row
+    fx, ykw = jnp.exp(d), kw * jnp.exp(-d)
+    kk = kk + jnp.where(diag_kk, dot(k * fx, ykw, tb=True), 0.0)   # may hold inf where not kept
+    qk = qk + jnp.where(diag_qk, dot(st.lo(q * fx), st.lo(ykw), tb=True), 0.0)
+    return kk, qk
+
+  zeros = jnp.zeros((c, c), F32)
+  kk, qk = lax.fori_loop(0, st.key_dim // kc, step, (zeros, zeros))
+  beta = load(beta_ref, ALL)
+  akk_ref[...] = beta[:, None] * kk
+  aqk_ref[...] = qk.astype(aqk_ref.dtype)
+
+  @pl.when(jnp.logical_not(ok))
+  def _():                                       # steep decays: the diagonal blocks pairwise
+    pair = Channel(g_ref, s, n, ch.kc, factor=False)
+    for a, p in enumerate(pair.diag_scores(k_ref, kw_ref, strict=True)):
+      akk_ref[block(a, s), block(a, s)] = load(beta_ref, block(a, s))[:, None] * p
+    for a, p in enumerate(pair.diag_scores(q_ref, kw_ref, strict=False, mm=st.mm)):
+      aqk_ref[block(a, s), block(a, s)] = p.astype(aqk_ref.dtype)
+
+
+def scores(st: L.Static, q, k, kw, beta, G):
+  """Per-channel decay at a chunk of many sub-blocks (`Static.scores_first`): → (A = diag(β) strictLower(P)
+  [B, HV, T, C] fp32 in fp32 products, the Gram that builds T; the output's intra-chunk scores, Q K̃ᵀ decayed
+  with its diagonal, [B, HV, T, C] in st.mm), every s×s block factored as in `intra.Channel`, zeros above the
+  diagonal. A kernel of its own, so that neither the inverse nor the output holds the factored operands of
+  every sub-block at once (at chunk 64 both spilled)."""
+  w = L.chunk_grid
+  in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.key_head),
+              L.tokens(st, st.key_dim, w, st.kw_head), L.vector(st, w), L.decay_spec(st, w)]
+  shape = (st.batch, st.value_heads, st.length, st.chunk)
+  return pallas_call(lambda *refs: _scores_kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks),
+                     in_specs=in_specs, out_specs=[L.head_major(st, st.chunk, w)] * 2,
+                     out_shape=[jax.ShapeDtypeStruct(shape, F32), jax.ShapeDtypeStruct(shape, st.mm)],
+                     interpret=st.interpret, num_warps=st.blocks.warps_scores, num_stages=st.stages,
+                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_scores")(q, k, kw, beta, G)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,11 +381,18 @@ def launch_state_pass(st, body, in_specs, args, info, state, name, inter=False):
 # ---------------------------------------------------------------------------------------------------------
 # 3. Outputs.
 # ---------------------------------------------------------------------------------------------------------
-def _output_kernel(st, *refs, inter=False):
-  """One chunk's O; inter: sin_ref holds its inter-chunk part (Q⊙e^G) S_in [C, BV] (fp32) instead of S_in."""
+def _output_kernel(st, *refs, inter=False, given=False):
+  """One chunk's O; inter: sin_ref holds its inter-chunk part (Q⊙e^G) S_in [C, BV] (fp32) instead of S_in;
+  given: p_ref holds the chunk's intra scores (`scores`), and kw is not read."""
   has_g = st.decay != "none"
-  q_ref, kw_ref, g_ref, sin_ref, vn_ref, o_ref = _split(refs, 1, 1, int(has_g), 1, 1, 1)
+  q_ref, kw_ref, g_ref, p_ref, sin_ref, vn_ref, o_ref = _split(
+      refs, 1, int(not given), int(has_g), int(given), 1, 1, 1)
   S = None if inter else st.lo(sin_ref[...])
+  if given:                                      # per-channel decay: (Q⊙e^G) S_in + P V_new, two whole-chunk dots
+    acc = sin_ref[...] if inter else dot(st.lo(load(q_ref, ALL) * jnp.exp(load(g_ref, ALL))), S)
+    acc = acc + dot(p_ref[...], st.lo(vn_ref[...]))
+    o_ref[...] = (st.scale * acc).astype(o_ref.dtype)
+    return
   if st.decay != "channel":
     g = load(g_ref, ALL) if has_g else None
     q = q_ref[...]
@@ -315,20 +412,26 @@ def _output_kernel(st, *refs, inter=False):
     o_ref[block(a, s), :] = (st.scale * acc).astype(o_ref.dtype)
 
 
-def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, inter=False):
+def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, inter=False, P=None):
   """→ o [B, T, HV, V] in out_dtype. `kernel_body` replaces the kernel (tests: poisoned outputs). inter: S_in
-  is the state pass's inter-chunk output [B, T, HV, V] fp32 (`state_pass(..., q=q)`)."""
+  is the state pass's inter-chunk output [B, T, HV, V] fp32 (`state_pass(..., q=q)`). P: the intra-chunk
+  scores of `scores` [B, HV, T, C] (then kw is not read)."""
   bv = st.blocks.v_block("out", st.value_dim)
   w = L.chunk_v_grid
-  in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.kw_head)]
-  args = [q, kw]
+  in_specs, args = [L.tokens(st, st.key_dim, w, st.key_head)], [q]
+  if P is None:
+    in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
+    args.append(kw)
   if st.decay != "none":
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
+  if P is not None:
+    in_specs.append(L.head_major(st, st.chunk, w))
+    args.append(P)
   in_specs += [L.tokens(st, bv, w, split=True) if inter else L.states(st, bv, w),
                L.head_major(st, bv, w, split=True)]
   args += [S_in, V_new]
-  body = kernel_body or functools.partial(_output_kernel, inter=inter)
+  body = kernel_body or functools.partial(_output_kernel, inter=inter, given=P is not None)
   kernel = lambda *refs: body(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks, st.value_dim // bv),
                      in_specs=in_specs, out_specs=L.tokens(st, bv, w, split=True),
@@ -342,13 +445,14 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
   """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32), and T = (I + A)⁻¹
   [B, HV, T, C] fp32 when emit_t (the one residual the backward keeps besides the inputs). Packed: `info`
   and the state layout of `state_pass`."""
+  A, P = scores(st, q, k, kw, beta, G) if st.scores_first else (None, None)
   if st.blocks.split_prep:
-    T = [inverse(st, k, kw, beta, G)]
+    T = [inverse(st, k, kw, beta, G, A=A)]
     W, U = prep(st, k, kw, v, beta, G, T=T[0])
   else:
-    W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t)
+    W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t, A=A)
   inter = st.fuse_inter
   kd = decayed_tiles(st, kw, G) if st.predecay else kw
   V_new, S_in, S_T = state_pass(st, W, U, kd, G, S0, info, q=q if inter else None)
-  o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter)
+  o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter, P=P)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

@@ -49,6 +49,8 @@ class Static:
                                 # packed. The state passes then run one lane per segment (`chunk_info`).
   grad_dtype: str = "float32"   # dtype of q, k, v: the backward writes dq, dk, dk_write, dv in it where the
                                 # wrapper does not sum head groups afterwards (no fp32 round trip through HBM)
+  forward_chunk: int = 0        # per-channel decay: the chunk of the forward when it is not differentiated
+                                # (`BlockSizes.chunk_channel_forward`; 0: the same as chunk)
 
   @property
   def mm(self):
@@ -114,6 +116,13 @@ class Static:
     if self.blocks.predecay == "auto":
       return self.blocks.serial(self.state_lanes, self.value_dim)
     return bool(self.blocks.predecay)
+
+  @property
+  def scores_first(self) -> bool:
+    """Per-channel decay at a chunk of more than two sub-blocks: the forward forms the chunk's Gram A and its
+    intra output scores in a kernel of their own (`delta_rule_fwd.scores`); prep inverts the given A and the
+    output kernel reads the scores."""
+    return self.decay == "channel" and self.num_sub > 2
 
   @property
   def state_lanes(self) -> int:
