@@ -33,6 +33,7 @@ from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
+    "scores": [dict(warps_scores=4), dict(block_k_scores=16), dict(block_k_scores=64)],
     "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False),
              dict(sub=32), dict(stages=1), dict(stages=3), dict(fp32_dots="ieee")],
     "state_pass": [dict(block_v_state=16), dict(block_v_state=64), dict(block_v_state=32, warps_state=2),
@@ -107,11 +108,14 @@ def stages(st, x, report=lambda kern: None):
     report(out[-1])
     return result
 
-  W, U = add("prep", lambda s, *a: fwd.prep(s, *a), k, k, v, beta, G)
+  A = P = None                 # per-channel decay at chunk ≥ 32: the Gram and output scores come from `scores`
+  if st.scores_first:
+    A, P = add("scores", lambda s, *a: fwd.scores(s, *a), q, k, k, beta, G)
+  W, U = add("prep", lambda s, *a: fwd.prep(s, *a[:5], A=a[5]), k, k, v, beta, G, A)
   V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(s, *a), W, U, k, G, S0)
-  add("output", lambda s, *a: fwd.output(s, *a, jnp.bfloat16), q, k, G, S_in, V_new)
-  _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a, emit_t=True), k, k, v, beta, G)
-  add("inverse (T only)", lambda s, *a: fwd.inverse(s, *a), k, k, beta, G)
+  add("output", lambda s, *a: fwd.output(s, *a[:5], jnp.bfloat16, P=a[5]), q, k, G, S_in, V_new, P)
+  _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a[:5], A=a[5], emit_t=True), k, k, v, beta, G, A)
+  add("inverse (T only)", lambda s, *a: fwd.inverse(s, *a[:4], A=a[4]), k, k, beta, G, A)
   add("wu (from T)", lambda s, *a: fwd.prep(s, *a[:5], T=a[5]), k, k, v, beta, G, T)
   dvl = add("dv_local", lambda s, *a: bwd.dv_local(s, *a), q, k, G, do)
   dV_new, dS_out, _ = add("state_bwd", lambda s, *a: bwd.state_bwd(s, *a), W, q, k, G, do, dvl, dS)
@@ -177,9 +181,9 @@ def main():
   def report(kern):
     ms = _timed(kern.name, lambda: kern(st), a.runs)
     if ms is not None:
-      if kern.name in ("prep (with T)", "state_pass", "output"):
+      if kern.name in ("scores", "prep (with T)", "state_pass", "output"):
         total["forward"] += ms
-      if not kern.name.startswith(("prep", "output", "inverse")):
+      if not kern.name.startswith(("prep", "output", "inverse", "scores")):
         total["backward"] += ms
     for over in (SWEEPS.get(kern.name, []) if kern.name in sweep else []):
       try:

@@ -72,14 +72,10 @@ class BlockSizes:
   warps_*:      Triton num_warps of the chunk-parallel forward kernels (chunk), of `prep` (prep; per-channel
                 decay: prep_channel, 2: 0.48 ms against 0.79 ms at 4 on the shape above), of the state passes
                 (state), of `grads_state` (grad_state), of `grads_intra` (grad), of `grads_pairs` (pairs), of
-                `grads_finish` (finish), of the per-channel `scores` kernel (scores) and of `prep` after it
-                (prep_scores: it then inverts a given A and forms W, U).
+                `grads_finish` (finish), of the per-channel `scores` kernel (scores; H200, KDA chunk 32, whole
+                forward B=4 T=4096 H=16: 1.409 ms at 2, 1.613 at 4) and of `prep` after it (prep_scores: it
+                then inverts a given A and forms W, U; at chunk 64 0.349 ms at 4, 0.441 at 2, 0.676 at 8).
   stages:       Triton num_stages (software pipelining of the loops).
-  chunk_channel_forward: per-channel decay, unpacked: the chunk of a forward that is not differentiated (the
-                custom_vjp's primal: inference, evaluation), at most the requested chunk_size; 0: the same chunk as
-                under autodiff. The forward with residuals and the backward keep `chunk_for`'s chunk (their
-                kernels hold every sub-block at once); at 64 the forward runs `delta_rule_fwd.scores` first
-                (`layout.Static.scores_first`) and its serial state pass takes a quarter of chunk 16's steps.
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
                 backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
                 Off: on an H200 (B=4 T=4096 H=16 K=128) the split forward took 0.705 ms against 0.684 ms.
@@ -124,22 +120,20 @@ class BlockSizes:
   warps_grad: int = 8
   warps_prep_channel: int = 2
   warps_pairs: int = 4
-  warps_scores: int = 4
+  warps_scores: int = 2
   warps_prep_scores: int = 4
   warps_finish: int = 4
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int = 16
   chunk_channel_serial: int = 32
-  chunk_channel_forward: int = 64
   fp32_dots: str = "tf32x3"
   split_prep: bool = False
   factor_diag: bool = True
   fuse_inter: bool | str = "auto"
 
-  _POW2 = ("sub", "block_k_scores", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag",
+  _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag", "block_k_scores",
            "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",
-           "block_k_pairs", "warps_prep_channel", "warps_pairs", "warps_scores",
-           "warps_prep_scores")
+           "block_k_pairs", "warps_prep_channel", "warps_pairs", "warps_scores", "warps_prep_scores")
 
   def __post_init__(self):
     for name in self._POW2:
@@ -158,9 +152,6 @@ class BlockSizes:
     for name in ("chunk_channel", "chunk_channel_serial"):
       if getattr(self, name) not in CHUNK_SIZES:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be one of {CHUNK_SIZES}")
-    if self.chunk_channel_forward not in (0, *CHUNK_SIZES):
-      raise ValueError(f"BlockSizes.chunk_channel_forward={self.chunk_channel_forward} must be 0 or one of "
-                       f"{CHUNK_SIZES}")
     if self.fp32_dots not in ("ieee", "tf32x3"):
       raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee' or 'tf32x3'")
     if self.state_k_piece and not (_pow2(self.state_k_piece) and 16 <= self.state_k_piece <= MAX_DIM):
@@ -181,14 +172,6 @@ class BlockSizes:
       return chunk
     serial = self.serial(lanes, vdim)
     return min(chunk, max(self.chunk_channel_serial if serial else self.chunk_channel, self.sub))
-
-  def forward_chunk(self, decay: str, requested: int, chunk: int, packed: bool, lanes: int = 0,
-                    vdim: int = 0) -> int:
-    """The chunk of an undifferentiated forward (`chunk_channel_forward`, at most the `requested` chunk_size)
-    when it differs from `chunk`, the one `chunk_for` picked, and the state passes run few programs (`serial`:
-    `lanes` rows of padded width `vdim`); else 0."""
-    wide = min(requested, self.chunk_channel_forward)
-    return wide if (decay == "channel" and not packed and wide > chunk and self.serial(lanes, vdim)) else 0
 
   @staticmethod
   def serial(lanes: int, vdim: int) -> bool:

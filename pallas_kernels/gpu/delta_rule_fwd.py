@@ -10,10 +10,9 @@
             emits the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32 instead of the states.
 3. `output` chunk-parallel, grid (B, HV, NC, V/BV): O = scale·((Q⊙e^G) S_in + tril(Q K̃ decayed) V_new) — one
             [C, K] × [K, C] score dot without per-channel decay, s×s sub-blocks with it.
-Per-channel decay at chunks of more than two sub-blocks (`Static.scores_first`: the undifferentiated forward at
-`BlockSizes.chunk_channel_forward`) runs `scores` first, grid (B, HV, NC): the chunk's Gram A and its intra
-output scores [C, C], which prep inverts and the output kernel multiplies (neither then holds the factored
-sub-block operands of a whole chunk).
+Per-channel decay at chunks of two sub-blocks or more (`Static.scores_first`) runs `scores` first, grid
+(B, HV, NC): the chunk's Gram A and its intra output scores [C, C], which prep inverts and the output kernel
+multiplies (neither then holds the factored sub-block operands of a whole chunk).
 """
 from __future__ import annotations
 
@@ -177,7 +176,8 @@ def inverse(st: L.Static, k, kw, beta, G, A=None):
 
 
 def _ref_rows(g_ref, s, n, offset, cols, first):
-  """[C, kc]: on the rows of sub-block a, G at row a·s + offset (row block 0: `first`, a [C, kc] value)."""
+  """[C, kc]: on the rows of each sub-block a, G's row a·s + offset, read from the ref (offset < 0: from block 1
+  on, block 0's rows keep `first`)."""
   rb = iota(first.shape, 0) // s
   out = first
   for a in range(1, n) if offset < 0 else range(n):
@@ -233,7 +233,7 @@ def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
 
 
 def scores(st: L.Static, q, k, kw, beta, G):
-  """Per-channel decay at a chunk of many sub-blocks (`Static.scores_first`): → (A = diag(β) strictLower(P)
+  """Per-channel decay at a chunk of several sub-blocks (`Static.scores_first`): → (A = diag(β) strictLower(P)
   [B, HV, T, C] fp32 in fp32 products, the Gram that builds T; the output's intra-chunk scores, Q K̃ᵀ decayed
   with its diagonal, [B, HV, T, C] in st.mm), every s×s block factored as in `intra.Channel`, zeros above the
   diagonal. A kernel of its own, so that neither the inverse nor the output holds the factored operands of
