@@ -211,10 +211,11 @@ def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
       keep = (rb == a) & (cb < a)
       kk = kk + jnp.where(keep, dot(xk, y, tb=True), 0.0)
       qk = qk + jnp.where(keep, dot(xq, st.lo(y), tb=True), 0.0)
-    d = G - _ref_rows(g_ref, s, n, s // 2 - 1, cols, G)             # through each block's middle row
-    fx, ykw = jnp.exp(d), kw * jnp.exp(-d)
-    kk = kk + jnp.where(diag_kk, dot(k * fx, ykw, tb=True), 0.0)   # may hold inf where not kept
-    qk = qk + jnp.where(diag_qk, dot(st.lo(q * fx), st.lo(ykw), tb=True), 0.0)
+    if st.blocks.factor_diag:                    # (without it: every diagonal block pairwise, below)
+      d = G - _ref_rows(g_ref, s, n, s // 2 - 1, cols, G)           # through each block's middle row
+      fx, ykw = jnp.exp(d), kw * jnp.exp(-d)
+      kk = kk + jnp.where(diag_kk, dot(k * fx, ykw, tb=True), 0.0)  # may hold inf where not kept
+      qk = qk + jnp.where(diag_qk, dot(st.lo(q * fx), st.lo(ykw), tb=True), 0.0)
     return kk, qk
 
   zeros = jnp.zeros((c, c), F32)

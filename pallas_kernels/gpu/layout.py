@@ -120,7 +120,7 @@ class Static:
     """Per-channel decay at a chunk of two sub-blocks or more: the forward forms the chunk's Gram A and its
     intra output scores in a kernel of their own (`delta_rule_fwd.scores`); prep inverts the given A and the
     output kernel reads the scores. H200, KDA chunk 32, whole forward emitting T: B=1 T=32768 H=8 3.081 → 2.063
-    ms, B=4 T=4096 H=16 2.431 → 1.429 (that shape runs at chunk 16: 1.21)."""
+    ms, B=4 T=4096 H=16 2.431 → 1.429 (that shape runs at chunk 16, where the whole forward takes 1.21)."""
     return self.decay == "channel" and self.num_sub > 1
 
   @property
