@@ -39,7 +39,7 @@ SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "small": (2, 1
 DECAYS = ("none", "scalar", "channel")
 VARIANTS = {"default": BlockSizes(), "sub32": BlockSizes(sub=32),
             "warps8": BlockSizes(warps_chunk=8, warps_state=8), "bv32": BlockSizes(block_v_state=32),
-            "stages3": BlockSizes(stages=3)}
+            "stages3": BlockSizes(stages=3), "tf32": BlockSizes(fp32_dots_bf16="tf32")}
 GRAD_NAMES = ("q", "k", "v", "beta", "log_decay", "initial_state")
 
 
@@ -116,7 +116,7 @@ def errors(got, want):
   return out
 
 
-def check(res, shape_name, decay, dtypes, chunk):
+def check(res, shape_name, decay, dtypes, chunk, blocks=None):
   shape = SHAPES[shape_name]
   x = make_inputs(shape, decay)
   for dt in dtypes:
@@ -126,14 +126,14 @@ def check(res, shape_name, decay, dtypes, chunk):
         with jax.default_matmul_precision("highest"):
           xd = to_device(x, jnp.float32)
           want = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(xd)
-          got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", chunk=chunk), x))(xd)
+          got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", blocks, chunk=chunk), x))(xd)
           row = dict(tag, pallas_vs_xla=errors(got, want))
       else:
         xb = to_device(x, jnp.bfloat16)
         rounded = {n: a.astype(jnp.float32) for n, a in xb.items()}
         with jax.default_matmul_precision("highest"):
           want = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(rounded)
-        got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", chunk=chunk), x))(xb)
+        got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", blocks, chunk=chunk), x))(xb)
         base = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(xb)
         row = dict(tag, pallas_vs_ref=errors(got, want), xla_vs_ref=errors(base, want))
       res.add("checks", row)
@@ -207,6 +207,7 @@ def main():
   ap.add_argument("--check-dtypes", default="fp32,bf16")
   ap.add_argument("--time-dtypes", default="bf16")
   ap.add_argument("--variants", default="default", help=f"Pallas block sizes to time, of {list(VARIANTS)}")
+  ap.add_argument("--check-variant", default="default", help=f"Pallas block sizes checked, of {list(VARIANTS)}")
   ap.add_argument("--chunk", type=int, default=64)
   ap.add_argument("--runs", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
@@ -231,7 +232,7 @@ def main():
   if not args.skip_check:
     for s in shapes:
       for dc in decays:
-        check(res, s, dc, split(args.check_dtypes), args.chunk)
+        check(res, s, dc, split(args.check_dtypes), args.chunk, VARIANTS[args.check_variant])
   if not args.skip_timing:
     table = {}
     for s in shapes:

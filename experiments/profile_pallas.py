@@ -33,9 +33,9 @@ from pallas_kernels.gpu.layout import Static
 
 # --sweep: per kernel, BlockSizes overrides to try (each one compiles that kernel once more).
 SWEEPS = {
-    "scores": [dict(warps_scores=4), dict(block_k_scores=16), dict(block_k_scores=64)],
+    "scores": [dict(warps_scores=4), dict(block_k_scores=16), dict(block_k_scores=64), dict(fp32_dots_bf16="tf32x3")],
     "prep": [dict(warps_prep=2), dict(warps_prep=8), dict(warps_prep_channel=4), dict(factor_diag=False),
-             dict(sub=32), dict(stages=1), dict(stages=3), dict(fp32_dots="ieee")],
+             dict(sub=32), dict(stages=1), dict(stages=3), dict(fp32_dots_bf16="tf32x3")],
     "state_pass": [dict(block_v_state=16), dict(block_v_state=64), dict(block_v_state=32, warps_state=2),
                    dict(warps_state=8), dict(warps_state=2), dict(warps_state=1), dict(stages=2),
                    dict(stages=4), dict(state_k_piece=64), dict(state_k_piece=32),
@@ -163,7 +163,7 @@ def main():
   a = ap.parse_args()
   b, t, h, d = map(int, a.shape.split(","))
   over = dict(kv.split("=") for kv in a.blocks.split(",") if kv)
-  blocks = dataclasses.replace(DEFAULT_BLOCKS, **{k: (v if k == "fp32_dots" else int(v)) for k, v in over.items()})
+  blocks = dataclasses.replace(DEFAULT_BLOCKS, **{k: (v if k.startswith("fp32_dots") else int(v)) for k, v in over.items()})
   st = make_static(b, t, h, d, a.decay, a.chunk, blocks)
   x = make_inputs(b, t, h, d, a.decay, a.chunk)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay} "

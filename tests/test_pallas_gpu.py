@@ -198,6 +198,52 @@ def test_scores_first():
   _compare(p, jnp.float32, 64, blocks=blocks)
 
 
+# (seed, B, T, H, HV, K, k_write, initial state, blocks): odd T with GVA, value-head write keys, a state and two
+# K steps in `scores`; strong decays (some diagonal blocks too steep to factor, pairwise), β = 0 / 1.
+# chunk_channel_serial=16: under autodiff these few rows run at chunk 16, without `scores`.
+WIDE = {"gva-asym-odd": (22, 1, 45, 1, 2, 32, "value", True, BlockSizes(block_k_scores=16, chunk_channel_serial=16)),
+        "steep": (23, 2, 100, 1, 1, 16, "key", False, BlockSizes(chunk_channel_serial=16))}
+
+
+@pytest.mark.parametrize("case", WIDE)
+def test_wide_forward(case):
+  """A per-channel forward that is not differentiated runs at `chunk_channel_forward` (64: four sub-blocks,
+  `scores` first): outputs and final states against the fp64 oracle and the XLA path; under autodiff the same
+  call runs at `chunk_for`'s chunk (16 here: no `scores`)."""
+  seed, b, t, h, hv, kd, kw, s0, blocks = WIDE[case]
+  p = random_problem(seed, B=b, T=t, H=h, HV=hv, K=kd, V=16, decay="channel", k_write=kw, initial_state=s0,
+                     decay_bias=-3.0 if case == "steep" else 0.0)
+  if case == "steep":
+    p.log_decay[:, 5:9] = -100.0
+    p.log_decay[:, 70:72] = 0.0
+    p.beta[:, 12:14] = 0.0
+    p.beta[:, 20:22] = 1.0
+  a = p.arrays(jnp.float32)
+  run = lambda impl, **kw: dict(zip("oS", impl(**a, **kw)))
+  fwd = lambda **arrays: _fn(gpu, blocks=blocks)(**arrays)
+  assert "scores" in _kernel_names(lambda a: fwd(**a), a)
+  assert "scores" not in _kernel_names(lambda a: jax.vjp(lambda q: fwd(**dict(a, q=q)), a["q"])[0], a)
+  got = run(jax.jit(fwd))
+  want = dict(zip("oS", _fn(naive)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
+  assert_trees_close(got, want, jnp.float32)
+  assert_trees_close(got, run(_fn(chunked, chunk_size=16)), jnp.float32)
+
+
+def test_forward_chunk_rule():
+  """`BlockSizes.forward_chunk`: per-channel and unpacked, `chunk_channel_forward` (at most the requested chunk)
+  when wider than `chunk_for`'s; else 0."""
+  b = BlockSizes()
+  assert b.forward_chunk("channel", 64, 32, False) == 64
+  assert b.forward_chunk("channel", 64, 16, False) == 64
+  assert b.forward_chunk("channel", 32, 16, False) == 32
+  assert b.forward_chunk("channel", 64, 32, True) == 0            # packed
+  assert b.forward_chunk("scalar", 64, 64, False) == 0
+  assert b.forward_chunk("channel", 16, 16, False) == 0
+  assert BlockSizes(chunk_channel_forward=0).forward_chunk("channel", 64, 32, False) == 0
+  with pytest.raises(ValueError, match="chunk_channel_forward"):
+    BlockSizes(chunk_channel_forward=48)
+
+
 def test_scores_kernel():
   """`delta_rule_fwd.scores` at chunk 64 against the dense formulas: A_ij = β_i Σ_c k_ic k̃_jc e^{G_ic − G_jc}
   (j < i) and P_ij = Σ_c q_ic k̃_jc e^{G_ic − G_jc} (j ≤ i) within each chunk, zeros elsewhere; one chunk's
@@ -279,7 +325,9 @@ def test_bad_input_errors():
   with pytest.raises(ValueError, match="chunk_size=24"):
     gpu.delta_rule(q, q, v, beta, chunk_size=24)
   with pytest.raises(ValueError, match="fp32_dots"):
-    BlockSizes(fp32_dots="tf32")
+    BlockSizes(fp32_dots="bf16")
+  with pytest.raises(ValueError, match="fp32_dots_bf16"):
+    BlockSizes(fp32_dots_bf16="tf16")
 
 
 def test_state_pass_block_v():
@@ -457,20 +505,26 @@ def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
   assert all(verified), verified
 
 
-def test_bf16_gradients_lower_to_triton(triton_lowering, capsys):
+@pytest.mark.parametrize("mode", ["tf32x3", "tf32"])
+def test_bf16_gradients_lower_to_triton(triton_lowering, capsys, mode):
   """bf16 inputs without head groups (dq, dk, dk_write, dv stored as bf16 by the kernels) lower to verified
-  Triton IR, decay none / scalar (grads_finish) and per channel (grads_pairs)."""
+  Triton IR, decay none / scalar (grads_finish) and per channel (grads_pairs); their fp32 dots (T, dA) run as
+  `BlockSizes.fp32_dots_bf16` says and no other way."""
   verified = triton_lowering
   b, t, h, kd = 1, 64, 2, 32
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  other = {"tf32x3": r"inputPrecision = (tf32(?!x3)|ieee)", "tf32": r"inputPrecision = (tf32x3|ieee)"}[mode]
   for g in (None, jax.ShapeDtypeStruct((b, t, h), jnp.float32), jax.ShapeDtypeStruct((b, t, h, kd), jnp.float32)):
     def loss(q, k, v, kw, beta, g):
-      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False)
+      o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False,
+                            blocks=BlockSizes(fp32_dots_bf16=mode))
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
     args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd),
             jax.ShapeDtypeStruct((b, t, h), jnp.float32), g)
     jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "@delta_rule_grads_" in capsys.readouterr().out
+    ir = capsys.readouterr().out
+    assert "@delta_rule_grads_" in ir
+    assert re.search(rf"inputPrecision = {mode}\b", ir) and not re.search(other, ir), (mode, g)
   assert all(verified), verified
 
 

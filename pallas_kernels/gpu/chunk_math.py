@@ -21,16 +21,18 @@ def iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-# How fp32 dots run: "ieee" (HIGHEST: IEEE fp32 in Triton, on the FMA units) or "tf32x3" (three TF32
-# tensor-core products with the split a = a_tf32 + a_small, about fp32 accuracy). Set per kernel body by
-# `config.pallas_call`; never plain TF32.
-_FP32_DOTS = {"ieee": (_HI, _HI), "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+# How fp32 dots run: "ieee" (HIGHEST: IEEE fp32 in Triton, on the FMA units), "tf32x3" (three TF32
+# tensor-core products with the split a = a_tf32 + a_small, about fp32 accuracy) or "tf32" (one TF32 product:
+# operands rounded to 10-bit mantissas, as FLA's Triton dots; only for bf16 inputs by default). Set per kernel
+# body by `config.pallas_call`.
+_FP32_DOTS = {"ieee": (_HI, _HI), "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+              "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 _fp32_dots = ["ieee"]
 
 
 @contextlib.contextmanager
 def fp32_dots(mode: str):
-  """Within the block, `dot` of fp32 operands runs as `mode` ("ieee" | "tf32x3")."""
+  """Within the block, `dot` of fp32 operands runs as `mode` ("ieee" | "tf32x3" | "tf32")."""
   if mode not in _FP32_DOTS:
     raise ValueError(f"fp32_dots={mode!r} must be one of {sorted(_FP32_DOTS)}")
   _fp32_dots.append(mode)
@@ -44,7 +46,7 @@ def dot(a, b, *, ta: bool = False, tb: bool = False):
   """a @ b (aᵀ / bᵀ when ta / tb) with fp32 accumulation.
 
   Two bf16 operands multiply in bf16 (products are exact in fp32); anything else runs in fp32 as the
-  enclosing `fp32_dots` says (IEEE by default; never plain TF32).
+  enclosing `fp32_dots` says (IEEE by default).
   """
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
   if a.dtype == BF16 and b.dtype == BF16:

@@ -76,6 +76,13 @@ class BlockSizes:
                 forward B=4 T=4096 H=16: 1.409 ms at 2, 1.613 at 4) and of `prep` after it (prep_scores: it
                 then inverts a given A and forms W, U; at chunk 64 0.349 ms at 4, 0.441 at 2, 0.676 at 8).
   stages:       Triton num_stages (software pipelining of the loops).
+  chunk_channel_forward: per-channel decay, unpacked: the chunk of a forward that is not differentiated (the
+                custom_vjp's primal: inference, evaluation), at most the requested chunk_size; 0: the same chunk
+                as under autodiff. The forward with residuals and the backward keep `chunk_for`'s chunk (their
+                kernels hold every sub-block at once); at 64 the forward runs `delta_rule_fwd.scores` first and
+                its serial state pass takes a quarter of chunk 16's steps. H200, KDA bf16 (scratch/fwd_chunks.py,
+                one run, whole forward): B=4 T=4096 H=16 K=V=128 chunk 16 1.22, 32 1.202, 64 0.993 ms;
+                B=1 T=32768 H=8 chunk 32 1.905, 64 1.561 ms.
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
                 backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
                 Off: on an H200 (B=4 T=4096 H=16 K=128) the split forward took 0.705 ms against 0.684 ms.
@@ -93,6 +100,12 @@ class BlockSizes:
   fp32_dots:    how the fp32 dots (those that build T = (I + A)⁻¹ and dA = −Tᵀ dT Tᵀ; every dot with fp32
                 inputs) run when compiled: "tf32x3" (tensor cores, three TF32 products, about fp32 accuracy)
                 or "ieee" (exact fp32 on the FMA units, several times slower). Interpret mode is always IEEE.
+  fp32_dots_bf16: the same for bf16 inputs under `bf16_matmuls` (layout.Static.low_precision), whose operands
+                already carry 8-bit mantissas: "tf32" (one TF32 product, FLA's precision for these dots),
+                "tf32x3" or "ieee". H200, bf16 (scratch/e2e_blocks.py, one run, tf32x3 → tf32, ms fwd / fwd+bwd):
+                B=4 T=4096 H=16 K=V=128 DeltaNet 0.429 → 0.413 / 1.801 → 1.711, KDA 1.314 → 1.221 / 5.114 →
+                4.881; B=1 T=32768 H=8 KDA 2.249 → 2.144 / 7.655 → 7.410. Errors against fp32 XLA on the same
+                bf16 inputs unchanged to two digits (≤ 5.4e-3, `check_pallas_gpu --check-variant tf32`).
   chunk_channel: the largest chunk the per-channel kernels run at: per-channel decay solves with chunk
                 min(chunk_size, chunk_channel) (the chunk changes rounding only, not the function). 16
                 measured fastest on an H200 (docs/benchmarks.md): larger chunks unroll more sub-blocks
@@ -126,7 +139,9 @@ class BlockSizes:
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int = 16
   chunk_channel_serial: int = 32
+  chunk_channel_forward: int = 64
   fp32_dots: str = "tf32x3"
+  fp32_dots_bf16: str = "tf32"
   split_prep: bool = False
   factor_diag: bool = True
   fuse_inter: bool | str = "auto"
@@ -152,8 +167,13 @@ class BlockSizes:
     for name in ("chunk_channel", "chunk_channel_serial"):
       if getattr(self, name) not in CHUNK_SIZES:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be one of {CHUNK_SIZES}")
-    if self.fp32_dots not in ("ieee", "tf32x3"):
-      raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee' or 'tf32x3'")
+    if self.chunk_channel_forward not in (0, *CHUNK_SIZES):
+      raise ValueError(f"BlockSizes.chunk_channel_forward={self.chunk_channel_forward} must be 0 or one of "
+                       f"{CHUNK_SIZES}")
+    if self.fp32_dots not in ("ieee", "tf32x3", "tf32"):
+      raise ValueError(f"BlockSizes.fp32_dots={self.fp32_dots!r} must be 'ieee', 'tf32x3' or 'tf32'")
+    if self.fp32_dots_bf16 not in ("ieee", "tf32x3", "tf32"):
+      raise ValueError(f"BlockSizes.fp32_dots_bf16={self.fp32_dots_bf16!r} must be 'ieee', 'tf32x3' or 'tf32'")
     if self.state_k_piece and not (_pow2(self.state_k_piece) and 16 <= self.state_k_piece <= MAX_DIM):
       raise ValueError(f"BlockSizes.state_k_piece={self.state_k_piece} must be 0 or a power of two in "
                        f"[16, {MAX_DIM}]")
@@ -172,6 +192,12 @@ class BlockSizes:
       return chunk
     serial = self.serial(lanes, vdim)
     return min(chunk, max(self.chunk_channel_serial if serial else self.chunk_channel, self.sub))
+
+  def forward_chunk(self, decay: str, requested: int, chunk: int, packed: bool) -> int:
+    """The chunk of an undifferentiated per-channel forward (`chunk_channel_forward`, at most the `requested`
+    chunk_size) when it is wider than `chunk`, the one `chunk_for` picked, and the input is not packed; else 0."""
+    wide = min(requested, self.chunk_channel_forward)
+    return wide if (decay == "channel" and not packed and wide > chunk) else 0
 
   @staticmethod
   def serial(lanes: int, vdim: int) -> bool:

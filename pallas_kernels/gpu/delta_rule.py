@@ -11,6 +11,7 @@ state_pass → dv_local → state_bwd → grads. The forward saves its inputs an
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,11 +26,16 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _solve(st: Static, q, k, kw, v, beta, G, S0, info):
+def _solve(st: Static, q, k, kw, v, beta, G, G_wide, S0, info):
+  """G_wide: G cumsummed within chunks of st.forward_chunk, the chunk of the forward when it is not
+  differentiated (None: st.chunk). Under autodiff it is unused (and XLA drops its cumsum)."""
+  if G_wide is not None:
+    st, G = dataclasses.replace(st, chunk=st.forward_chunk, forward_chunk=0), G_wide
   return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
 
 
-def _solve_fwd(st, q, k, kw, v, beta, G, S0, info):
+def _solve_fwd(st, q, k, kw, v, beta, G, G_wide, S0, info):
+  del G_wide
   o, S_T, T = delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
   return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
@@ -48,7 +54,7 @@ def _solve_bwd(st, res, cts):
   dq, dk = _group_sum(dq, st.heads).astype(q.dtype), _group_sum(dk, st.heads).astype(k.dtype)
   if kw is not None:
     dkw = _group_sum(dkw, kw.shape[2]).astype(kw.dtype)
-  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, dS0, None
+  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, None, dS0, None
 
 
 _solve.defvjp(_solve_fwd, _solve_bwd)
@@ -78,10 +84,10 @@ def _chunk_cumsum(g, chunk):
   return jnp.einsum("ts,bnsx->bntx", ones, slabs, precision=jax.lax.Precision.HIGHEST).reshape(g.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "blocks", "interpret", "low_precision",
-                                             "num_segments"))
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "blocks", "interpret",
+                                             "low_precision", "num_segments"))
 def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, *, scale, chunk_size,
-                blocks, interpret, low_precision, num_segments):
+                forward_chunk, blocks, interpret, low_precision, num_segments):
   b, t, h, kd = q.shape
   hv, vd = v.shape[2:]
   dtype = q.dtype
@@ -92,7 +98,8 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
     row = lambda x: None if x is None else packed.to_row(x, pos, tp)
     q, k, v, beta, k_write, log_decay = map(row, (q, k, v, beta, k_write, log_decay))
   else:
-    tp, info = -(-t // chunk_size) * chunk_size, None
+    span = max(chunk_size, forward_chunk)
+    tp, info = -(-t // span) * span, None
   kp, vp = padded_dim(kd), padded_dim(vd)
   if scale is None:                       # a traced scale: applied to q, the kernels use scale 1
     q = (q * scale_arr).astype(dtype)
@@ -104,6 +111,7 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
   kw = None if k_write is None else tokens(k_write.astype(dtype), kp)
   beta = jnp.swapaxes(_pad_to(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
+  G_wide = None
   if log_decay is None:
     decay, G = "none", None
   else:
@@ -112,6 +120,8 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
       decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
     else:
       decay, G = "channel", _chunk_cumsum(_pad_to(g, 3, kp), chunk_size)         # [B, T, HV, K]
+      if forward_chunk:
+        G_wide = _chunk_cumsum(_pad_to(g, 3, kp), forward_chunk)
   if initial_state is None:
     S0 = jnp.zeros((n_seg or b, hv, kp, vp), jnp.float32)
   else:
@@ -124,8 +134,8 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
               same_keys=kw is None, blocks=blocks, interpret=interpret,
               low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
-              grad_dtype=jnp.dtype(dtype).name)
-  o, S = _solve(st, q, k, kw, v, beta, G, S0_in, info)
+              grad_dtype=jnp.dtype(dtype).name, forward_chunk=forward_chunk)
+  o, S = _solve(st, q, k, kw, v, beta, G, G_wide, S0_in, info)
   if not n_seg:
     return o[:, :t, :, :vd], S[:, :, :kd, :vd]
   S = jnp.swapaxes(S.reshape(hv, n_seg, kp, vp), 0, 1)
@@ -154,16 +164,20 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   Packed (`segment_ids` [B, T], `packed.py`): `num_segments` N must be given (static); initial_state and
   the final states are [N, HV, K, V].
   `blocks` sets tile sizes and caps the chunk of per-channel decay (`BlockSizes.chunk_for`: 16, or 32 when
-  few batch rows × value heads run); `interpret` defaults to True on a CPU backend. With bf16 inputs and
+  few batch rows × value heads run) under autodiff; an undifferentiated per-channel forward (unpacked) runs at
+  `BlockSizes.chunk_channel_forward` (64), at most `chunk_size`; `interpret` defaults to True on a CPU backend. With bf16 inputs and
   `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ and dA takes bf16 operands
   (fp32 accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every
   dot in fp32. fp32 dots run as TF32x3 when compiled (`BlockSizes.fp32_dots`; "ieee" for exact fp32) and in
   IEEE fp32 in interpret mode.
   """
   blocks.check(chunk_size)
+  forward_chunk = 0
   if log_decay is not None and jnp.ndim(log_decay) == 4:
     rows = num_segments if segment_ids is not None and num_segments else q.shape[0]
+    requested = chunk_size
     chunk_size = blocks.chunk_for("channel", chunk_size, rows * v.shape[2], padded_dim(v.shape[-1]))
+    forward_chunk = blocks.forward_chunk("channel", requested, chunk_size, segment_ids is not None)
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
@@ -178,7 +192,8 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
     interpret = jax.default_backend() == "cpu"
   static_scale, scale_arr = _static_scale(scale, q.shape[-1])
   return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids,
-                     scale=static_scale, chunk_size=chunk_size, blocks=blocks, interpret=interpret,
+                     scale=static_scale, chunk_size=chunk_size, forward_chunk=forward_chunk, blocks=blocks,
+                     interpret=interpret,
                      low_precision=bf16_matmuls,
                      num_segments=int(num_segments) if segment_ids is not None else None)
 

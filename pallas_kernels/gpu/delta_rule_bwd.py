@@ -102,7 +102,7 @@ def dv_local(st: L.Static, q, kw, G, do):
                      out_shape=jax.ShapeDtypeStruct((st.batch, st.value_heads, st.length, st.value_dim),
                                                     st.mm),
                      interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_dv_local")(*args)
+                     fp32_dots=st.fp32_dots, name="delta_rule_dv_local")(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def grads_state(st: L.Static, q, kw, G, S_in, dS_out, V_new, dV_new, do):
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad_state,
                      num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_state")(*args)
+                     fp32_dots=st.fp32_dots, name="delta_rule_grads_state")(*args)
   dq_s, dws, dkw_s = outs[:3]
   dG_s = outs[3] if has_g else None
   return dq_s, dws, dkw_s, dG_s
@@ -322,7 +322,7 @@ def grads_intra(st: L.Static, k, v, beta, G, T, V_new, dV_new, do, dws):
   return tuple(pallas_call(kernel, grid=(b, hv, st.num_chunks), in_specs=in_specs, out_specs=out_specs,
                            out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_grad,
                            num_stages=st.stages,
-                           fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_intra")(*args))
+                           fp32_dots=st.fp32_dots, name="delta_rule_grads_intra")(*args))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_finish,
                      num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_finish")(*args)
+                     fp32_dots=st.fp32_dots, name="delta_rule_grads_finish")(*args)
   dq, dk = outs[:2]
   dkw = outs[2] if sep else None
   return dq, dk, dkw, outs[n_k], (outs[n_k + 1] if has_g else None)
@@ -486,7 +486,7 @@ def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG
   outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, interpret=st.interpret, num_warps=st.blocks.warps_pairs,
                      num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_grads_pairs")(*args)
+                     fp32_dots=st.fp32_dots, name="delta_rule_grads_pairs")(*args)
   dq, dk = outs[:2]
   dkw = outs[2] if sep else None
   return dq, dk, dkw, outs[n_k], outs[n_k + 1]

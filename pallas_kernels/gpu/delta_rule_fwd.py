@@ -24,9 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import layout as L
-from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, masked_exp, row_scale
+from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row, masked_exp, row_scale, take_col
 from pallas_kernels.gpu.config import pallas_call
-from pallas_kernels.gpu.intra import ALL, Channel, block, causal, decay_factor, full_scores, inverse_rows, load
+from pallas_kernels.gpu.intra import ALL, Channel, block, decay_factor, full_scores, inverse_rows, load
 
 
 def _split(refs, *counts):
@@ -160,7 +160,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
                      num_warps=_prep_warps(st, source),
                      num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name=name)(*args)
+                     fp32_dots=st.fp32_dots, name=name)(*args)
 
 
 def _prep_warps(st, source):
@@ -175,62 +175,66 @@ def inverse(st: L.Static, k, kw, beta, G, A=None):
   return T
 
 
-def _ref_rows(g_ref, s, n, offset, cols, first):
-  """[C, kc]: on the rows of each sub-block a, G's row a·s + offset, read from the ref (offset < 0: from block 1
-  on, block 0's rows keep `first`)."""
-  rb = iota(first.shape, 0) // s
-  out = first
-  for a in range(1, n) if offset < 0 else range(n):
-    out = jnp.where(rb == a, load(g_ref, a * s + offset, cols)[None, :], out)
+def _spread(p, a, c):
+  """An [s, s] block p placed at columns a·s … a·s + s − 1 of an [s, C] row block (zeros elsewhere)."""
+  s = p.shape[0]
+  col = iota((s, c), 1)
+  out = jnp.zeros((s, c), F32)
+  for j in range(s):
+    out = jnp.where(col == a * s + j, take_col(p, j)[:, None], out)
   return out
 
 
 def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
-  """One chunk, as whole-chunk dots over K column steps: block (a, m < a) is (x_a ⊙ e^{G_a − r_a})(y_m ⊙
-  e^{r_a − G_m})ᵀ with r_a the row a·s − 1 (both factors ≤ 1): for each a one [C, kc] × [kc, C] dot whose
-  rows of block a and columns of blocks < a are kept. The diagonal blocks: one more dot factored through each
-  block's middle row, kept when `Channel.factored_ok`; else they are rewritten pairwise afterwards."""
+  """One chunk, one row block a at a time: P[a, :] = Σ_c (x_a ⊙ e^{G_a − r_a})(y ⊙ e^{r_a − G})ᵀ over K column
+  steps, an [s, kc] × [kc, C] dot whose columns beyond the reference are masked out before the exp.
+  When the chunk's decays allow (`Channel.factored_ok`) r_a is block a's middle row and the one dot gives the
+  diagonal block too (every factor ≤ e^40); else r_a is the row a·s − 1 (factors ≤ 1, columns < a·s) and the
+  diagonal blocks are added pairwise after the loop. Each row block is stored once."""
   s, n, c = st.sub, st.num_sub, st.chunk
   kc = st.blocks.k_block("scores", st.key_dim)
   ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
   ok = ch.factored_ok(range(n)) if st.blocks.factor_diag else False
-  rb, cb = iota((c, c), 0) // s, iota((c, c), 1) // s
-  diag_kk = (rb == cb) & causal(c, strict=True) & ok
-  diag_qk = (rb == cb) & causal(c, strict=False) & ok
   row = iota((c, kc), 0)
+  # Arithmetic selects on `ok` (a select of two constants on a traced bool lowered to i1 in JAX 0.11's Triton).
+  ok_i = lax.convert_element_type(ok, jnp.int32)
+  limit = [a * s + s * ok_i for a in range(n)]                        # y's rows kept: < limit
+
+  def ref_row(a, cols):
+    prev = load(g_ref, max(a * s - 1, 0), cols)                       # exact when not ok: factors ≤ 1
+    return prev + ok_i.astype(F32) * (load(g_ref, a * s + s // 2 - 1, cols) - prev)
 
   def step(i, acc):
     kk, qk = acc
     cols = pl.ds(pl.multiple_of(i * kc, kc), kc)
-    G = load(g_ref, ALL, cols)
-    k, q, kw = load(k_ref, ALL, cols), load(q_ref, ALL, cols), load(kw_ref, ALL, cols)
-    x = jnp.exp(G - _ref_rows(g_ref, s, n, -1, cols, G))            # ≤ 1 (1 on block 0, unused there)
-    xk, xq = k * x, st.lo(q * x)
-    for a in range(1, n):
-      y = kw * masked_exp(load(g_ref, a * s - 1, cols)[None, :] - G, row < a * s)   # ≤ 1
-      keep = (rb == a) & (cb < a)
-      kk = kk + jnp.where(keep, dot(xk, y, tb=True), 0.0)
-      qk = qk + jnp.where(keep, dot(xq, st.lo(y), tb=True), 0.0)
-    if st.blocks.factor_diag:                    # (without it: every diagonal block pairwise, below)
-      d = G - _ref_rows(g_ref, s, n, s // 2 - 1, cols, G)           # through each block's middle row
-      fx, ykw = jnp.exp(d), kw * jnp.exp(-d)
-      kk = kk + jnp.where(diag_kk, dot(k * fx, ykw, tb=True), 0.0)  # may hold inf where not kept
-      qk = qk + jnp.where(diag_qk, dot(st.lo(q * fx), st.lo(ykw), tb=True), 0.0)
-    return kk, qk
+    G, kw = load(g_ref, ALL, cols), load(kw_ref, ALL, cols)
+    kk, qk = list(kk), list(qk)
+    for a in range(n):
+      r = ref_row(a, cols)[None, :]
+      x = jnp.exp(load(g_ref, block(a, s), cols) - r)
+      y = kw * masked_exp(r - G, row < limit[a])
+      kk[a] = kk[a] + dot(load(k_ref, block(a, s), cols) * x, y, tb=True)
+      qk[a] = qk[a] + dot(st.lo(load(q_ref, block(a, s), cols) * x), st.lo(y), tb=True)
+    return tuple(kk), tuple(qk)
 
-  zeros = jnp.zeros((c, c), F32)
+  zeros = tuple(jnp.zeros((s, c), F32) for _ in range(n))
   kk, qk = lax.fori_loop(0, st.key_dim // kc, step, (zeros, zeros))
-  beta = load(beta_ref, ALL)
-  akk_ref[...] = beta[:, None] * kk
-  aqk_ref[...] = qk.astype(aqk_ref.dtype)
 
-  @pl.when(jnp.logical_not(ok))
-  def _():                                       # steep decays: the diagonal blocks pairwise
+  def pairwise():                                # steep decays: the diagonal blocks pairwise
     pair = Channel(g_ref, s, n, ch.kc, factor=False)
-    for a, p in enumerate(pair.diag_scores(k_ref, kw_ref, strict=True)):
-      akk_ref[block(a, s), block(a, s)] = load(beta_ref, block(a, s))[:, None] * p
-    for a, p in enumerate(pair.diag_scores(q_ref, kw_ref, strict=False, mm=st.mm)):
-      aqk_ref[block(a, s), block(a, s)] = p.astype(aqk_ref.dtype)
+    dk = pair.diag_scores(k_ref, kw_ref, strict=True)
+    dq = pair.diag_scores(q_ref, kw_ref, strict=False, mm=st.mm)
+    return (tuple(_spread(p, a, c) for a, p in enumerate(dk)), tuple(_spread(p, a, c) for a, p in enumerate(dq)))
+
+  if st.blocks.factor_diag:
+    dk, dq = lax.cond(ok, lambda: (zeros, zeros), pairwise)
+  else:
+    dk, dq = pairwise()
+  cols = iota((s, c), 1)
+  for a in range(n):
+    rows = a * s + iota((s, c), 0)
+    akk_ref[block(a, s), :] = load(beta_ref, block(a, s))[:, None] * jnp.where(rows > cols, kk[a] + dk[a], 0.0)
+    aqk_ref[block(a, s), :] = jnp.where(rows >= cols, qk[a] + dq[a], 0.0).astype(aqk_ref.dtype)
 
 
 def scores(st: L.Static, q, k, kw, beta, G):
@@ -247,7 +251,7 @@ def scores(st: L.Static, q, k, kw, beta, G):
                      in_specs=in_specs, out_specs=[L.head_major(st, st.chunk, w)] * 2,
                      out_shape=[jax.ShapeDtypeStruct(shape, F32), jax.ShapeDtypeStruct(shape, st.mm)],
                      interpret=st.interpret, num_warps=st.blocks.warps_scores, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_scores")(q, k, kw, beta, G)
+                     fp32_dots=st.fp32_dots, name="delta_rule_scores")(q, k, kw, beta, G)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -340,7 +344,7 @@ def decayed_tiles(st: L.Static, kw, G, q=None):
   out = pallas_call(lambda *refs: _decayed_kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks),
                     in_specs=in_specs, out_specs=[L.head_major(st, st.key_dim, w)] * n, out_shape=[shape] * n,
                     interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
-                    fp32_dots=st.blocks.fp32_dots, name="delta_rule_decayed_tiles")(*args)
+                    fp32_dots=st.fp32_dots, name="delta_rule_decayed_tiles")(*args)
   return tuple(out) if q is not None else out[0]
 
 
@@ -376,7 +380,7 @@ def launch_state_pass(st, body, in_specs, args, info, state, name, inter=False):
   return pallas_call(lambda *refs: body(st, *refs), grid=grid,
                      in_specs=in_specs + [L.state(st, bv, w)], out_specs=out_specs, out_shape=out_shape,
                      interpret=st.interpret, num_warps=st.blocks.warps_state, num_stages=st.state_stages,
-                     fp32_dots=st.blocks.fp32_dots, name=name)(*args, state)
+                     fp32_dots=st.fp32_dots, name=name)(*args, state)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,7 +443,7 @@ def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, 
                      out_shape=jax.ShapeDtypeStruct((st.batch, st.length, st.value_heads, st.value_dim),
                                                     out_dtype),
                      interpret=st.interpret, num_warps=st.blocks.warps_chunk, num_stages=st.stages,
-                     fp32_dots=st.blocks.fp32_dots, name="delta_rule_output")(*args)
+                     fp32_dots=st.fp32_dots, name="delta_rule_output")(*args)
 
 
 def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool = False):

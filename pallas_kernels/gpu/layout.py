@@ -49,6 +49,8 @@ class Static:
                                 # packed. The state passes then run one lane per segment (`chunk_info`).
   grad_dtype: str = "float32"   # dtype of q, k, v: the backward writes dq, dk, dk_write, dv in it where the
                                 # wrapper does not sum head groups afterwards (no fp32 round trip through HBM)
+  forward_chunk: int = 0        # per-channel decay: the chunk of the forward when it is not differentiated
+                                # (`BlockSizes.chunk_channel_forward`; 0: the same as chunk)
 
   @property
   def mm(self):
@@ -57,6 +59,12 @@ class Static:
 
   def lo(self, x):
     return x.astype(self.mm)
+
+  @property
+  def fp32_dots(self):
+    """How the kernels' fp32 dots run when compiled (`BlockSizes.fp32_dots`, or `fp32_dots_bf16` for bf16
+    inputs under `low_precision`)."""
+    return self.blocks.fp32_dots_bf16 if self.low_precision else self.blocks.fp32_dots
 
   @property
   def dq_dtype(self):
@@ -120,7 +128,7 @@ class Static:
     """Per-channel decay at a chunk of two sub-blocks or more: the forward forms the chunk's Gram A and its
     intra output scores in a kernel of their own (`delta_rule_fwd.scores`); prep inverts the given A and the
     output kernel reads the scores. H200, KDA chunk 32, whole forward emitting T: B=1 T=32768 H=8 3.081 → 2.063
-    ms, B=4 T=4096 H=16 2.431 → 1.429 (that shape runs at chunk 16, where the whole forward takes 1.21)."""
+    ms, B=4 T=4096 H=16 2.431 → 1.429 (with the first `scores`, before its row-block dots)."""
     return self.decay == "channel" and self.num_sub > 1
 
   @property
