@@ -80,7 +80,7 @@ class BlockSizes:
                 custom_vjp's primal: inference, evaluation), at most the requested chunk_size; 0: the same chunk
                 as under autodiff. The forward with residuals and the backward keep `chunk_for`'s chunk (their
                 kernels hold every sub-block at once); at 64 the forward runs `delta_rule_fwd.scores` first and
-                its serial state pass takes a quarter of chunk 16's steps. H200, KDA bf16 (scratch/fwd_chunks.py,
+                its serial state pass takes a quarter of chunk 16's steps. H200, KDA bf16 (`compare_blocks chunks`,
                 one run, whole forward): B=4 T=4096 H=16 K=V=128 chunk 16 1.22, 32 1.202, 64 0.993 ms;
                 B=1 T=32768 H=8 chunk 32 1.905, 64 1.561 ms.
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
@@ -102,7 +102,7 @@ class BlockSizes:
                 or "ieee" (exact fp32 on the FMA units, several times slower). Interpret mode is always IEEE.
   fp32_dots_bf16: the same for bf16 inputs under `bf16_matmuls` (layout.Static.low_precision), whose operands
                 already carry 8-bit mantissas: "tf32" (one TF32 product, FLA's precision for these dots),
-                "tf32x3" or "ieee". H200, bf16 (scratch/e2e_blocks.py, one run, tf32x3 → tf32, ms fwd / fwd+bwd):
+                "tf32x3" or "ieee". H200, bf16 (`compare_blocks e2e`, one run, tf32x3 → tf32, ms fwd / fwd+bwd):
                 B=4 T=4096 H=16 K=V=128 DeltaNet 0.429 → 0.413 / 1.801 → 1.711, KDA 1.314 → 1.221 / 5.114 →
                 4.881; B=1 T=32768 H=8 KDA 2.249 → 2.144 / 7.655 → 7.410. Errors against fp32 XLA on the same
                 bf16 inputs unchanged to two digits (≤ 5.4e-3, `check_pallas_gpu --check-variant tf32`).
