@@ -5,6 +5,7 @@
    * fp32: both under jax.default_matmul_precision("highest"), pallas vs xla;
    * bf16: pallas-bf16 and xla-bf16, each against xla-fp32-highest on the same bf16-rounded inputs (so the
      pallas error can be read against the error XLA itself makes in bf16).
+   Also the pallas forward without autodiff (o, S), which per-channel decay runs at a wider chunk.
    Prints relative RMS errors (rms(x − y) / rms(y)).
 2. Speed (bf16 by default): forward and forward+backward (gradients of every input) of pallas vs xla, jitted;
    warm-up, then the median of --runs runs synchronised with jax.block_until_ready; prints a table of ms and
@@ -116,6 +117,12 @@ def errors(got, want):
   return out
 
 
+def _forward_errors(primal, want):
+  """The undifferentiated forward (o, S) — per-channel decay runs it at `chunk_channel_forward` — against the
+  reference's o and S."""
+  return {"o": rel_rms(primal[0], want[0]), "S": rel_rms(primal[1], want[1])}
+
+
 def check(res, shape_name, decay, dtypes, chunk, blocks=None):
   shape = SHAPES[shape_name]
   x = make_inputs(shape, decay)
@@ -127,7 +134,8 @@ def check(res, shape_name, decay, dtypes, chunk, blocks=None):
           xd = to_device(x, jnp.float32)
           want = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(xd)
           got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", blocks, chunk=chunk), x))(xd)
-          row = dict(tag, pallas_vs_xla=errors(got, want))
+          primal = jax.jit(solve_fn("pallas", blocks, chunk=chunk))(xd)
+          row = dict(tag, pallas_vs_xla=errors(got, want), forward_vs_xla=_forward_errors(primal, want))
       else:
         xb = to_device(x, jnp.bfloat16)
         rounded = {n: a.astype(jnp.float32) for n, a in xb.items()}
@@ -135,7 +143,9 @@ def check(res, shape_name, decay, dtypes, chunk, blocks=None):
           want = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(rounded)
         got = jax.jit(lambda x: value_and_grads(solve_fn("pallas", blocks, chunk=chunk), x))(xb)
         base = jax.jit(lambda x: value_and_grads(solve_fn("xla", chunk=chunk), x))(xb)
-        row = dict(tag, pallas_vs_ref=errors(got, want), xla_vs_ref=errors(base, want))
+        primal = jax.jit(solve_fn("pallas", blocks, chunk=chunk))(xb)
+        row = dict(tag, pallas_vs_ref=errors(got, want), forward_vs_ref=_forward_errors(primal, want),
+                   xla_vs_ref=errors(base, want))
       res.add("checks", row)
       _log(f"[check] {shape_name:5s} {decay:8s} {dt}: " + "  ".join(
           f"{k}: " + " ".join(f"{n}={e:.1e}" for n, e in v.items()) for k, v in row.items() if isinstance(v, dict)))

@@ -16,30 +16,23 @@ On CPU the kernels run in interpret mode (times meaningless; a smoke test): --sh
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 
-from experiments.check_pallas_gpu import make_inputs, to_device
-from experiments.profile_pallas import make_inputs as kernel_inputs, make_static
+from experiments.check_pallas_gpu import make_inputs, timing_fns, to_device
+from experiments.profile_pallas import make_inputs as kernel_inputs, make_static, parse_blocks
 from experiments.timing import jax_ms
-from pallas_kernels.gpu import delta_rule as gpu
 from pallas_kernels.gpu import delta_rule_fwd as fwd
-from pallas_kernels.gpu.config import DEFAULT_BLOCKS
 
 SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "tiny": (1, 128, 2, 32)}
 
 
 def blocks_of(variant: str):
-  """"default" or "name=value+name=value" → BlockSizes (ints, strings for the fp32_dots fields)."""
-  if variant == "default":
-    return DEFAULT_BLOCKS
-  over = dict(kv.split("=") for kv in variant.split("+"))
-  return dataclasses.replace(DEFAULT_BLOCKS, **{k: v if k.startswith("fp32_dots") else int(v)
-                                                for k, v in over.items()})
+  """"default" or "name=value+name=value" → BlockSizes (`profile_pallas.parse_blocks`)."""
+  return parse_blocks(variant, sep="+")
 
 
 def _mb(fn, *args):
@@ -50,13 +43,8 @@ def _mb(fn, *args):
 def e2e(shape_name, decay, variant, record):
   x = to_device(make_inputs(SHAPES[shape_name], decay, seed=2), jnp.bfloat16)
   x.pop("initial_state")
-  blocks = blocks_of(variant)
-  f = lambda x: gpu.delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("log_decay"), blocks=blocks)
-
-  def loss(x):
-    o, S = f(x)
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
-  for mode, fn in (("fwd", jax.jit(lambda x: f(x)[0])), ("fwdbwd", jax.jit(jax.grad(loss)))):
+  fwd_fn, fwdbwd_fn = timing_fns("pallas", blocks_of(variant), 64)     # loss: sum(o) + sum(S)
+  for mode, fn in (("fwd", fwd_fn), ("fwdbwd", fwdbwd_fn)):
     jax.block_until_ready(fn(x))
     record(dict(shape=shape_name, decay=decay, variant=variant, mode=mode, ms=jax_ms(fn, x), mb=_mb(fn, x)))
 

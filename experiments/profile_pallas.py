@@ -74,6 +74,15 @@ def make_inputs(b, t, h, d, decay, chunk):
   return x
 
 
+def parse_blocks(text: str, sep: str = ","):
+  """BlockSizes overrides "name=value<sep>name=value" ("" or "default": the defaults); values are ints, strings
+  for the fp32_dots fields. An invalid value raises BlockSizes' ValueError."""
+  if text in ("", "default"):
+    return DEFAULT_BLOCKS
+  over = dict(kv.split("=") for kv in text.split(sep) if kv)
+  return dataclasses.replace(DEFAULT_BLOCKS, **{k: v if k.startswith("fp32_dots") else int(v) for k, v in over.items()})
+
+
 def make_static(b, t, h, d, decay, chunk, blocks):
   return Static(batch=b, length=t, heads=h, value_heads=h, kw_heads=h, key_dim=d, value_dim=d, chunk=chunk,
                 decay=decay, scale=d ** -0.5, same_keys=True, blocks=blocks,
@@ -162,8 +171,7 @@ def main():
                   "warps_prep=2,block_v_state=64 (ints, or strings for fp32_dots)")
   a = ap.parse_args()
   b, t, h, d = map(int, a.shape.split(","))
-  over = dict(kv.split("=") for kv in a.blocks.split(",") if kv)
-  blocks = dataclasses.replace(DEFAULT_BLOCKS, **{k: (v if k.startswith("fp32_dots") else int(v)) for k, v in over.items()})
+  blocks = parse_blocks(a.blocks)
   st = make_static(b, t, h, d, a.decay, a.chunk, blocks)
   x = make_inputs(b, t, h, d, a.decay, a.chunk)
   print(f"jax {jax.__version__} {jax.devices()[0].device_kind} shape B,T,H,K={a.shape} decay={a.decay} "
