@@ -55,7 +55,7 @@ def chunks(shape_name, chunk, variant, record):
   st = make_static(b, t, h, d, "channel", chunk, blocks_of(variant))
   tag = dict(shape=shape_name, chunk=chunk, variant=variant)
   if st.scores_first:
-    f = jax.jit(lambda *a: fwd.scores(st, *a))
+    f = jax.jit(lambda *a: fwd.scores(st, *a, tiles=fwd.scores_tiles(st)))
     record(dict(tag, kernel="scores", ms=jax_ms(f, x["q"], x["k"], x["k"], x["beta"], x["G"])))
   inputs = (x["q"], x["k"], x["k"], x["v"], x["beta"], x["G"], x["S0"])
   for label, emit_t in (("whole forward", False), ("whole forward emitting T", True)):

@@ -118,12 +118,19 @@ def stages(st, x, report=lambda kern: None):
     return result
 
   A = P = None                 # per-channel decay at chunk ≥ 32: the Gram and output scores come from `scores`
-  if st.scores_first:
+  tiles = fwd.scores_tiles(st)  # ... and with them the decayed operands (as `fwd.forward`)
+  kd, qd, kwd, G_state = k, q, k, G
+  if tiles:
+    A, P, kd, qd, kwd, G_state = add("scores", lambda s, *a: fwd.scores(s, *a, tiles=True), q, k, k, beta, G)
+  elif st.scores_first:
     A, P = add("scores", lambda s, *a: fwd.scores(s, *a), q, k, k, beta, G)
-  W, U = add("prep", lambda s, *a: fwd.prep(s, *a[:5], A=a[5]), k, k, v, beta, G, A)
-  V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(s, *a), W, U, k, G, S0)
-  add("output", lambda s, *a: fwd.output(s, *a[:5], jnp.bfloat16, P=a[5]), q, k, G, S_in, V_new, P)
-  _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a[:5], A=a[5], emit_t=True), k, k, v, beta, G, A)
+  W, U = add("prep", lambda s, *a: fwd.prep(s, *a[:5], A=a[5], decayed=tiles), kd, k, v, beta, G, A)
+  state_st = fwd.predecayed if tiles else (lambda s: s)
+  V_new, S_in, _ = add("state_pass", lambda s, *a: fwd.state_pass(state_st(s), *a, ends=tiles), W, U, kwd, G_state,
+                       S0)
+  add("output", lambda s, *a: fwd.output(s, *a[:5], jnp.bfloat16, P=a[5], decayed=tiles), qd, k, G, S_in, V_new, P)
+  _, _, T = add("prep (with T)", lambda s, *a: fwd.prep(s, *a[:5], A=a[5], emit_t=True, decayed=tiles), kd, k, v,
+                beta, G, A)
   add("inverse (T only)", lambda s, *a: fwd.inverse(s, *a[:4], A=a[4]), k, k, beta, G, A)
   add("wu (from T)", lambda s, *a: fwd.prep(s, *a[:5], T=a[5]), k, k, v, beta, G, T)
   dvl = add("dv_local", lambda s, *a: bwd.dv_local(s, *a), q, k, G, do)

@@ -19,6 +19,7 @@ from osdn_jax.ops import checks, chunked, naive
 from osdn_jax.testing import FP32_TOL, assert_trees_close, close, random_problem, rel_rms, vjp_all
 from pallas_kernels.gpu import delta_rule as gpu
 from pallas_kernels.gpu import delta_rule_fwd, layout
+from pallas_kernels.gpu.chunk_cumsum import chunk_cumsum
 from pallas_kernels.gpu.config import BlockSizes
 
 DECAYS = ("none", "scalar", "channel")
@@ -201,8 +202,11 @@ def test_scores_first():
 # (seed, B, T, H, HV, K, k_write, initial state, blocks): odd T with GVA, value-head write keys, a state and two
 # K steps in `scores`; strong decays (some diagonal blocks too steep to factor, pairwise), β = 0 / 1.
 # chunk_channel_serial=16: under autodiff these few rows run at chunk 16, without `scores`.
+# "no-tiles": prep, output and the state pass forming the decayed operands themselves (`scores_tiles=False`).
 WIDE = {"gva-asym-odd": (22, 1, 45, 1, 2, 32, "value", True, BlockSizes(block_k_scores=16, chunk_channel_serial=16)),
-        "steep": (23, 2, 100, 1, 1, 16, "key", False, BlockSizes(chunk_channel_serial=16))}
+        "steep": (23, 2, 100, 1, 1, 16, "key", False, BlockSizes(chunk_channel_serial=16)),
+        "no-tiles": (25, 1, 45, 1, 2, 32, "value", True,
+                     BlockSizes(block_k_scores=16, chunk_channel_serial=16, scores_tiles=False))}
 
 
 @pytest.mark.parametrize("case", WIDE)
@@ -221,7 +225,8 @@ def test_wide_forward(case):
   a = p.arrays(jnp.float32)
   run = lambda impl, **kw: dict(zip("oS", impl(**a, **kw)))
   fwd = lambda **arrays: _fn(gpu, blocks=blocks)(**arrays)
-  assert "scores" in _kernel_names(lambda a: fwd(**a), a)
+  names = _kernel_names(lambda a: fwd(**a), a)
+  assert "scores" in names and ("decayed_tiles" in names) == (not blocks.scores_tiles)
   assert "scores" not in _kernel_names(lambda a: jax.vjp(lambda q: fwd(**dict(a, q=q)), a["q"])[0], a)
   got = run(jax.jit(fwd))
   want = dict(zip("oS", _fn(naive)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
@@ -247,7 +252,8 @@ def test_forward_chunk_rule():
 def test_scores_kernel():
   """`delta_rule_fwd.scores` at chunk 64 against the dense formulas: A_ij = β_i Σ_c k_ic k̃_jc e^{G_ic − G_jc}
   (j < i) and P_ij = Σ_c q_ic k̃_jc e^{G_ic − G_jc} (j ≤ i) within each chunk, zeros elsewhere; one chunk's
-  decays too steep for the factored diagonal blocks (their pairwise rewrite), every block written."""
+  decays too steep for the factored diagonal blocks (their pairwise rewrite), every block written. With
+  `tiles`, the decayed operands K ⊙ e^G, Q ⊙ e^G, K̃ ⊙ e^{G_C − G} as well (head-major), A and P unchanged."""
   rng = np.random.default_rng(24)
   b, t, hv, kd, c = 1, 128, 2, 32, 64
   n = lambda *shape: rng.normal(size=shape)
@@ -261,7 +267,16 @@ def test_scores_kernel():
                      interpret=True)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   A, P = delta_rule_fwd.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G))
+  A2, P2, kd_, qd_, kwd_, gc_ = delta_rule_fwd.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G), tiles=True)
+  np.testing.assert_array_equal(A2, A)
+  np.testing.assert_array_equal(P2, P)
   Gc = G.reshape(b, t // c, c, hv, kd)
+  head_major = lambda x: np.swapaxes(x, 1, 2)
+  G32 = np.asarray(f32(G), np.float64)                         # what the kernel reads
+  to_end = (G32.reshape(Gc.shape)[:, :, -1:] - G32.reshape(Gc.shape)).reshape(G.shape)
+  for got, want in ((kd_, k * np.exp(G32)), (qd_, q * np.exp(G32)), (kwd_, kw * np.exp(to_end))):
+    np.testing.assert_allclose(got, head_major(want), rtol=2e-6, atol=1e-7)
+  np.testing.assert_array_equal(gc_, np.swapaxes(np.asarray(f32(G)).reshape(Gc.shape)[:, :, -1], 1, 2))
   e = np.exp(Gc[:, :, :, None] - Gc[:, :, None, :])            # [b, nc, i, j, hv, kd]
   dense = lambda x: np.einsum("bnihc,bnjhc,bnijhc->bhnij", x.reshape(Gc.shape), kw.reshape(Gc.shape), e)
   i, j = np.arange(c)[:, None], np.arange(c)[None, :]
@@ -365,14 +380,38 @@ def test_fuse_inter_rule():
     BlockSizes(fuse_inter="yes")
 
 
-@pytest.mark.parametrize("shape", [(2, 48, 3), (2, 48, 3, 5)])
-def test_chunk_cumsum(shape):
-  """The wrapper's in-chunk cumsum (a ones-product for per-channel decays) and its transpose equal jnp.cumsum's
-  per chunk, scalar and per-channel shapes."""
+@pytest.mark.parametrize("chunk, kd, dtype", [(16, 16, "float32"), (64, 256, "float32"), (32, 32, "bfloat16")])
+def test_chunk_cumsum(chunk, kd, dtype):
+  """`chunk_cumsum` (per-channel G = in-chunk cumsum of max(g, −30)) and its backward kernel equal jnp's
+  cumsum and autodiff per chunk: values below the floor (no gradient), exactly at it (½, as jnp.maximum), one
+  chunk of two K blocks (K = 256), bf16 input (gradient in bf16)."""
+  rng = np.random.default_rng(3)
+  shape = (2, 2 * chunk, 3, kd)
+  g = rng.normal(size=shape) * 4 - 2
+  g[0, 1, 1, :3], g[1, chunk + 2, 2, :] = -30.0, -1e3
+  g = jnp.asarray(g, dtype)
+  w = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  ref = lambda g: jnp.cumsum(jnp.maximum(g.astype(jnp.float32), -30.0).reshape(2, 2, chunk, 3, kd),
+                             axis=2).reshape(shape)
+  G = chunk_cumsum(g, chunk, -30.0, interpret=True)
+  assert G.dtype == jnp.float32
+  np.testing.assert_allclose(G, ref(g), rtol=1e-6, atol=1e-5)
+  grad = lambda f: jax.grad(lambda g: jnp.sum(f(g) * w))(g)
+  dg, dg_ref = grad(lambda g: chunk_cumsum(g, chunk, -30.0, interpret=True)), grad(ref)
+  assert dg.dtype == g.dtype
+  tol = 1e-5 if dtype == "float32" else 1e-2
+  np.testing.assert_allclose(np.asarray(dg, np.float32), np.asarray(dg_ref, np.float32), rtol=tol, atol=tol)
+  assert float(jnp.abs(dg[1, chunk + 2, 2]).max()) == 0.0 and float(jnp.abs(dg[0, 1, 1, :3]).min()) > 0.0
+  with pytest.raises(ValueError, match="multiple of 16"):
+    chunk_cumsum(g[:, :chunk + 1], 16, -30.0, interpret=True)
+
+
+def test_scalar_chunk_cumsum():
+  """The wrapper's scalar-decay in-chunk cumsum and its transpose equal jnp.cumsum's per chunk."""
   from pallas_kernels.gpu.delta_rule import _chunk_cumsum
   rng = np.random.default_rng(3)
-  g, w = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
-  ref = lambda g: jnp.cumsum(g.reshape(2, 3, 16, *shape[2:]), axis=2).reshape(shape)
+  g, w = (jnp.asarray(rng.normal(size=(2, 48, 3)), jnp.float32) for _ in range(2))
+  ref = lambda g: jnp.cumsum(g.reshape(2, 3, 16, 3), axis=2).reshape(g.shape)
   np.testing.assert_allclose(_chunk_cumsum(g, 16), ref(g), rtol=1e-6, atol=1e-6)
   grad = lambda f: jax.grad(lambda g: jnp.sum(f(g) * w))(g)
   np.testing.assert_allclose(grad(lambda g: _chunk_cumsum(g, 16)), grad(ref), rtol=1e-6, atol=1e-6)
@@ -525,6 +564,27 @@ def test_bf16_gradients_lower_to_triton(triton_lowering, capsys, mode):
     ir = capsys.readouterr().out
     assert "@delta_rule_grads_" in ir
     assert re.search(rf"inputPrecision = {mode}\b", ir) and not re.search(other, ir), (mode, g)
+  assert all(verified), verified
+
+
+def test_channel_forward_lowers_to_triton(triton_lowering, capsys):
+  """The per-channel forward without autodiff (bf16, GVA, chunk 64: `scores` storing the decayed operand tiles,
+  prep and output loading them, the state pass reading one row of G per chunk) and the in-chunk cumsum kernels
+  lower to verified Triton IR."""
+  verified = triton_lowering
+  b, t, h, hv, kd = 1, 128, 1, 2, 32
+  sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+
+  def fwd(q, k, v, beta, g):
+    return gpu.delta_rule(q, k, v, beta, log_decay=g, chunk_size=64, interpret=False)
+  args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),
+          sd(b, t, hv, kd, dtype=jnp.float32))
+  jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",))
+  jax.jit(jax.grad(lambda g: jnp.sum(chunk_cumsum(g, 64, -30.0, interpret=False)))).trace(
+      args[-1]).lower(lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == {"scores", "prep", "state_fwd", "output"}
+  assert {"chunk_cumsum", "chunk_cumsum_bwd"} <= set(re.findall(r"@(chunk_cumsum\w*)\(", ir))
   assert all(verified), verified
 
 

@@ -74,7 +74,10 @@ class BlockSizes:
                 (state), of `grads_state` (grad_state), of `grads_intra` (grad), of `grads_pairs` (pairs), of
                 `grads_finish` (finish), of the per-channel `scores` kernel (scores; H200, KDA chunk 32, whole
                 forward B=4 T=4096 H=16: 1.409 ms at 2, 1.613 at 4) and of `prep` after it (prep_scores: it
-                then inverts a given A and forms W, U; at chunk 64 0.349 ms at 4, 0.441 at 2, 0.676 at 8).
+                then inverts a given A and forms W, U from `scores`' decayed K; H200, KDA bf16 forward end to
+                end at chunk 64, `compare_blocks e2e`, one run: B=4 T=4096 H=16 0.975 ms at 4, 0.955 at 2;
+                B=1 T=32768 H=8 1.451 at 4, 1.433 at 2. Before `scores_tiles`, when prep formed K ⊙ e^G
+                itself, 4 was faster: 0.349 ms against 0.441 at 2).
   stages:       Triton num_stages (software pipelining of the loops).
   chunk_channel_forward: per-channel decay, unpacked: the chunk of a forward that is not differentiated (the
                 custom_vjp's primal: inference, evaluation), at most the requested chunk_size; 0: the same chunk
@@ -86,6 +89,13 @@ class BlockSizes:
   split_prep:   the forward forms T = (I + A)⁻¹ in one kernel (`inverse`) and W, U from it in a second (the
                 backward's `wu`), instead of one `prep` kernel holding the Gram blocks, T and W, U at once.
                 Off: on an H200 (B=4 T=4096 H=16 K=128) the split forward took 0.705 ms against 0.684 ms.
+  scores_tiles: per-channel decay with `scores` (a chunk of two sub-blocks or more, not `fuse_inter`): its K
+                steps also store the decayed operands K ⊙ e^G, Q ⊙ e^G, K̃ ⊙ e^{G_C − G} [B, HV, T, K] in the
+                state dtype and G_C per chunk, which prep, output and the state pass then load straight into
+                their dots (G is read once and dies after `scores`; the same roundings, so the same results).
+                H200, KDA bf16 forward at chunk 64 (`compare_blocks e2e`, one run, off → on): B=4 T=4096 H=16
+                1.072 → 0.964 ms, B=1 T=32768 H=8 1.553 → 1.447 ms (`kernel_times`: scores 0.30 → 0.42, prep
+                0.30 → 0.20, state pass 0.22 → 0.15, output 0.15 → 0.10 ms at B=4).
   fuse_inter:   the forward's state pass also forms each chunk's inter-chunk output (Q⊙e^G) S_in, fp32
                 [B, T, HV, V], and no longer writes the chunk states [B, HV, NC·K, V]; the output kernel adds
                 the intra-chunk part. "auto" (`layout.Static.fuse_inter`): fuse when the chunk states would be
@@ -134,7 +144,7 @@ class BlockSizes:
   warps_prep_channel: int = 2
   warps_pairs: int = 4
   warps_scores: int = 2
-  warps_prep_scores: int = 4
+  warps_prep_scores: int = 2
   warps_finish: int = 4
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int = 16
@@ -144,6 +154,7 @@ class BlockSizes:
   fp32_dots_bf16: str = "tf32"
   split_prep: bool = False
   factor_diag: bool = True
+  scores_tiles: bool = True
   fuse_inter: bool | str = "auto"
 
   _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag", "block_k_scores",

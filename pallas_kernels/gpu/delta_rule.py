@@ -3,8 +3,8 @@
 `delta_rule` has the signature and results of `osdn_jax.ops.chunked.delta_rule`. In the wrapper (plain
 JAX, differentiated by autodiff): T is zero-padded to a multiple of the chunk (β = 0, g = 0: the padded
 tokens leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed
-within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum), β is laid out
-head-major.
+within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum; per channel both in the
+`chunk_cumsum` kernels), β is laid out head-major.
 Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = W, U from T →
 state_pass → dv_local → state_bwd → grads. The forward saves its inputs and T = (I + A)⁻¹ (fp32
 [B, HV, T, C]: the one costly intermediate); W, U, the chunk states and V_new are recomputed.
@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import delta_rule_bwd, delta_rule_fwd, packed
+from pallas_kernels.gpu import chunk_cumsum, delta_rule_bwd, delta_rule_fwd, packed
 from pallas_kernels.gpu.config import CHUNK_SIZES, DEFAULT_BLOCKS, MAX_DIM, BlockSizes, padded_dim
 from pallas_kernels.gpu.layout import Static
 
@@ -26,17 +26,19 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _solve(st: Static, q, k, kw, v, beta, G, G_wide, S0, info):
-  """G_wide: G cumsummed within chunks of st.forward_chunk, the chunk of the forward when it is not
-  differentiated (None: st.chunk). Under autodiff it is unused (the temp memory of forward+backward was the
-  same with and without it on an H200)."""
-  if G_wide is not None:
-    st, G = dataclasses.replace(st, chunk=st.forward_chunk, forward_chunk=0), G_wide
+def _solve(st: Static, q, k, kw, v, beta, G, g, S0, info):
+  """g: the padded per-channel log-decays when st.forward_chunk (else None). A forward that is not
+  differentiated cumsums them within chunks of st.forward_chunk here and runs at that chunk; under autodiff g is
+  unused and its cotangent a symbolic zero (computed outside, the wide cumsum's backward kernel would run on
+  materialised zeros: H200, KDA forward+backward 0.25 ms)."""
+  if g is not None:
+    G = chunk_cumsum.chunk_cumsum(g, st.forward_chunk, LOG_DECAY_FLOOR, interpret=st.interpret)
+    st = dataclasses.replace(st, chunk=st.forward_chunk, forward_chunk=0)
   return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
 
 
-def _solve_fwd(st, q, k, kw, v, beta, G, G_wide, S0, info):
-  del G_wide
+def _solve_fwd(st, q, k, kw, v, beta, G, g, S0, info):
+  del g
   o, S_T, T = delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
   return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
@@ -70,19 +72,10 @@ def _pad_to(x, axis, size):
 
 
 def _chunk_cumsum(g, chunk):
-  """Inclusive cumsum within chunks along axis 1 of g [B, T, ...] (T a multiple of chunk).
-
-  Per-channel log-decays [B, T, HV, K] go through one batched product with the [C, C] lower-triangular ones
-  at fp32 precision (every chunk's [C, HV·K] slab is already a row-major matrix): XLA lowers `jnp.cumsum` on a
-  GPU to a reduce-window, 0.17 ms for KDA's [4, 4096, 16, 128] on an H200, and its transpose again in the
-  backward; KDA end to end went 1.371 → 1.323 ms forward, 5.201 → 5.138 forward+backward. Scalar decays
-  ([B, T, HV], small) keep `jnp.cumsum`."""
+  """Inclusive cumsum within chunks along axis 1 of scalar log-decays g [B, T, HV] (T a multiple of chunk).
+  Per-channel log-decays go through `chunk_cumsum` (a Pallas kernel pair)."""
   b, t = g.shape[:2]
-  if g.ndim < 4:
-    return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
-  ones = jnp.tril(jnp.ones((chunk, chunk), g.dtype))
-  slabs = g.reshape(b, t // chunk, chunk, -1)
-  return jnp.einsum("ts,bnsx->bntx", ones, slabs, precision=jax.lax.Precision.HIGHEST).reshape(g.shape)
+  return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "blocks", "interpret",
@@ -112,17 +105,17 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
   kw = None if k_write is None else tokens(k_write.astype(dtype), kp)
   beta = jnp.swapaxes(_pad_to(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
-  G_wide = None
+  g_wide = None
   if log_decay is None:
     decay, G = "none", None
   else:
-    g = _pad_to(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
     if log_decay.ndim == 3:
+      g = _pad_to(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
       decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
-    else:
-      decay, G = "channel", _chunk_cumsum(_pad_to(g, 3, kp), chunk_size)         # [B, T, HV, K]
-      if forward_chunk:
-        G_wide = _chunk_cumsum(_pad_to(g, 3, kp), forward_chunk)
+    else:                                 # [B, T, HV, K]: the floor and the cumsum in one Pallas pass
+      g = _pad_to(_pad_to(log_decay, 1, tp), 3, kp)
+      decay, G = "channel", chunk_cumsum.chunk_cumsum(g, chunk_size, LOG_DECAY_FLOOR, interpret=interpret)
+      g_wide = g if forward_chunk else None
   if initial_state is None:
     S0 = jnp.zeros((n_seg or b, hv, kp, vp), jnp.float32)
   else:
@@ -136,7 +129,7 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
               same_keys=kw is None, blocks=blocks, interpret=interpret,
               low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
               grad_dtype=jnp.dtype(dtype).name, forward_chunk=forward_chunk)
-  o, S = _solve(st, q, k, kw, v, beta, G, G_wide, S0_in, info)
+  o, S = _solve(st, q, k, kw, v, beta, G, g_wide, S0_in, info)
   if not n_seg:
     return o[:, :t, :, :vd], S[:, :, :kd, :vd]
   S = jnp.swapaxes(S.reshape(hv, n_seg, kp, vp), 0, 1)

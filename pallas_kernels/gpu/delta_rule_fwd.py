@@ -16,6 +16,7 @@ multiplies (neither then holds the factored sub-block operands of a whole chunk)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -86,10 +87,10 @@ def decay_rows(st, g):
   return None if g is None else jnp.exp(g)
 
 
-def _prep_kernel(st, source, wu, emit_t, *refs):
+def _prep_kernel(st, source, wu, emit_t, decayed, *refs):
   """T from `source` ("gram": the Gram blocks of K, K̃; "a": a given A [C, C] from `scores`; "t": a given T),
-  then W, U when wu, and T stored when emit_t."""
-  has_g = st.decay != "none"
+  then W, U when wu, and T stored when emit_t. decayed: k_ref holds K ⊙ e^G (per channel) and G is not read."""
+  has_g = st.decay != "none" and not decayed
   k_ref, kw_ref, v_ref, beta_ref, g_ref, given_ref, w_ref, u_ref, t_ref = _split(
       refs, int(wu or source == "gram"), int(source == "gram"), int(wu), 1, int(has_g), int(source != "gram"),
       int(wu), int(wu), int(emit_t))
@@ -108,7 +109,9 @@ def _prep_kernel(st, source, wu, emit_t, *refs):
   # Row factors of K and V go on T's columns, so that K and V load straight into the dots (gpu/README.md, "Loads go
   # straight into dots"; H200: main-shape prep 0.273 → 0.212 ms).
   beta = load(beta_ref, ALL)
-  if st.decay == "channel":
+  if decayed:
+    kf, k = beta, load(k_ref, ALL, dtype=None)
+  elif st.decay == "channel":
     kf, k = beta, st.lo(row_scale(load(k_ref, ALL), decay_rows(st, load(g_ref, ALL))))
   else:
     kf = beta * decay_rows(st, load(g_ref, ALL)) if has_g else beta
@@ -120,16 +123,19 @@ def _prep_kernel(st, source, wu, emit_t, *refs):
     u_ref[block(a, s), :] = dot(st.lo(T[a] * beta[None, :]), v).astype(u_ref.dtype)
 
 
-def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=None, wu: bool = True):
+def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=None, wu: bool = True,
+         decayed: bool = False):
   """→ W [B, HV, T, K], U [B, HV, T, V] in st.mm (and T = (I + A)⁻¹ [B, HV, T, C] fp32 when emit_t). T is
   formed from the Gram blocks of k, kw; or from A = diag(β) strictLower(P) [B, HV, T, C] fp32 when given
-  (`scores`); or given itself (the forward's T, in the backward: only W and U are formed). wu=False: T alone."""
+  (`scores`); or given itself (the forward's T, in the backward: only W and U are formed). wu=False: T alone.
+  decayed (with A): k is `scores`' K ⊙ e^G [B, HV, T, K] and G is not read."""
   w = L.chunk_grid
   source = "t" if T is not None else ("a" if A is not None else "gram")
   emit_t = emit_t and source != "t"
+  decayed = decayed and source == "a"
   in_specs, args = [], []
   if wu or source == "gram":
-    in_specs.append(L.tokens(st, st.key_dim, w, st.key_head))
+    in_specs.append(L.head_major(st, st.key_dim, w) if decayed else L.tokens(st, st.key_dim, w, st.key_head))
     args.append(k)
   if source == "gram":
     in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
@@ -139,7 +145,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
     args.append(v)
   in_specs.append(L.vector(st, w))
   args.append(beta)
-  if st.decay != "none":
+  if st.decay != "none" and not decayed:
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
   if source != "gram":
@@ -154,7 +160,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
   if emit_t:
     out_specs.append(L.head_major(st, st.chunk, w))
     out_shape.append(jax.ShapeDtypeStruct((*hv, t, st.chunk), F32))
-  kernel = lambda *refs: _prep_kernel(st, source, wu, emit_t, *refs)
+  kernel = lambda *refs: _prep_kernel(st, source, wu, emit_t, decayed, *refs)
   name = {"t": "delta_rule_wu"}.get(source, "delta_rule_prep" if wu else "delta_rule_inverse")
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
@@ -185,12 +191,14 @@ def _spread(p, a, c):
   return out
 
 
-def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
+def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref, *tile_refs):
   """One chunk, one row block a at a time: P[a, :] = Σ_c (x_a ⊙ e^{G_a − r_a})(y ⊙ e^{r_a − G})ᵀ over K column
   steps, an [s, kc] × [kc, C] dot whose columns beyond the reference are masked out before the exp.
   When the chunk's decays allow (`Channel.factored_ok`) r_a is block a's middle row and the one dot gives the
   diagonal block too (every factor ≤ e^40); else r_a is the row a·s − 1 (factors ≤ 1, columns < a·s) and the
-  diagonal blocks are added pairwise after the loop. Each row block is stored once."""
+  diagonal blocks are added pairwise after the loop. Each row block is stored once.
+  tile_refs (kd, qd, kwd, gc): the same K steps also store K ⊙ e^G, Q ⊙ e^G and K̃ ⊙ e^{G_C − G} in st.mm, and
+  G_C."""
   s, n, c = st.sub, st.num_sub, st.chunk
   kc = st.blocks.k_block("scores", st.key_dim)
   ch = Channel(g_ref, s, n, st.blocks.k_block("diag", st.key_dim), st.blocks.factor_diag)
@@ -208,6 +216,13 @@ def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
     kk, qk = acc
     cols = pl.ds(pl.multiple_of(i * kc, kc), kc)
     G, kw = load(g_ref, ALL, cols), load(kw_ref, ALL, cols)
+    if tile_refs:
+      kd_ref, qd_ref, kwd_ref, gc_ref = tile_refs
+      e, gc = jnp.exp(G), load(g_ref, c - 1, cols)
+      kd_ref[:, cols] = st.lo(load(k_ref, ALL, cols) * e)
+      qd_ref[:, cols] = st.lo(load(q_ref, ALL, cols) * e)
+      kwd_ref[:, cols] = st.lo(kw * jnp.exp(gc[None, :] - G))
+      gc_ref[cols] = gc
     kk, qk = list(kk), list(qk)
     for a in range(n):
       r = ref_row(a, cols)[None, :]
@@ -237,27 +252,37 @@ def _scores_kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref):
     aqk_ref[block(a, s), :] = jnp.where(rows >= cols, qk[a] + dq[a], 0.0).astype(aqk_ref.dtype)
 
 
-def scores(st: L.Static, q, k, kw, beta, G):
+def scores(st: L.Static, q, k, kw, beta, G, tiles: bool = False):
   """Per-channel decay at a chunk of several sub-blocks (`Static.scores_first`): → (A = diag(β) strictLower(P)
   [B, HV, T, C] fp32 in fp32 products, the Gram that builds T; the output's intra-chunk scores, Q K̃ᵀ decayed
   with its diagonal, [B, HV, T, C] in st.mm), every s×s block factored as in `intra.Channel`, zeros above the
   diagonal. A kernel of its own, so that neither the inverse nor the output holds the factored operands of
-  every sub-block at once (at chunk 64 both spilled)."""
+  every sub-block at once (at chunk 64 both spilled).
+  tiles (`BlockSizes.scores_tiles`): also → K ⊙ e^G, Q ⊙ e^G, K̃ ⊙ e^{G_C − G} [B, HV, T, K] in st.mm, the
+  decayed operands that prep, output and the state pass would otherwise form from K, Q, K̃ and G (the same
+  roundings: results unchanged), and G_C [B, HV, NC, K] fp32, all the state pass still needs of G (so G is
+  not kept alive past this kernel)."""
   w = L.chunk_grid
   in_specs = [L.tokens(st, st.key_dim, w, st.key_head), L.tokens(st, st.key_dim, w, st.key_head),
               L.tokens(st, st.key_dim, w, st.kw_head), L.vector(st, w), L.decay_spec(st, w)]
   shape = (st.batch, st.value_heads, st.length, st.chunk)
-  return pallas_call(lambda *refs: _scores_kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks),
-                     in_specs=in_specs, out_specs=[L.head_major(st, st.chunk, w)] * 2,
-                     out_shape=[jax.ShapeDtypeStruct(shape, F32), jax.ShapeDtypeStruct(shape, st.mm)],
-                     interpret=st.interpret, num_warps=st.blocks.warps_scores, num_stages=st.stages,
-                     fp32_dots=st.fp32_dots, name="delta_rule_scores")(q, k, kw, beta, G)
+  out_specs = [L.head_major(st, st.chunk, w)] * 2
+  out_shape = [jax.ShapeDtypeStruct(shape, F32), jax.ShapeDtypeStruct(shape, st.mm)]
+  if tiles:
+    out_specs += [L.head_major(st, st.key_dim, w)] * 3 + [L.chunk_ends(st, w)]
+    out_shape += ([jax.ShapeDtypeStruct((*shape[:3], st.key_dim), st.mm)] * 3
+                  + [jax.ShapeDtypeStruct((*shape[:2], st.num_chunks, st.key_dim), F32)])
+  return tuple(pallas_call(lambda *refs: _scores_kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks),
+                           in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                           interpret=st.interpret, num_warps=st.blocks.warps_scores, num_stages=st.stages,
+                           fp32_dots=st.fp32_dots, name="delta_rule_scores")(q, k, kw, beta, G))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 2. The sequential state pass.
 # ---------------------------------------------------------------------------------------------------------
-def _state_kernel(st, *refs, inter=False):
+def _state_kernel(st, *refs, inter=False, ends=False):
+  """ends: g_ref holds G_C per chunk [NC, K] (`scores`' tiles), not G."""
   has_g, packed = st.decay != "none", st.segments > 0
   w_ref, u_ref, kw_ref, g_ref, q_ref, info_ref, s0_ref, vn_ref, sin_ref, st_ref = _split(
       refs, 1, 1, 1, int(has_g), int(inter), int(packed), 1, 1, 1, 1)
@@ -275,7 +300,8 @@ def _state_kernel(st, *refs, inter=False):
       S = [jnp.where(first, s0_ref[r, :].astype(F32), s) for r, s in zip(rows, S)]
     ws = [dot(w_ref[tokens, ks], st.lo(s)) for ks, s in zip(pieces, S)]   # independent dots, then summed
     vn = u_ref[tokens, :].astype(F32) - functools.reduce(jnp.add, ws)
-    G = [chunk_decay_rows(st, g_ref, t0, ks) for ks in pieces] if has_g else [None] * len(pieces)
+    ends_only = st.predecay and not inter       # (K̃ pre-decayed: the chunk's last row of G is all it needs)
+    G = [chunk_decay_rows(st, g_ref, t0, ks) for ks in pieces] if has_g and not ends_only else [None] * len(pieces)
     if inter:                                    # the output kernel's (Q⊙e^G) S_in, off the chain of S
       if st.decay == "channel":
         qs = [row_scale(q_ref[tokens, ks].astype(F32), decay_rows(st, g)) for ks, g in zip(pieces, G)]
@@ -290,11 +316,13 @@ def _state_kernel(st, *refs, inter=False):
     new = []
     for ks, s, g in zip(pieces, S, G):
       kw, vs = kw_ref[tokens, ks], vn           # K̃ straight from its load into the dot unless per channel
-      if has_g:
+      if ends_only:                              # (predecay: kw_ref holds K̃ ⊙ e^{G_C − G} already)
+        s = s * jnp.exp(load(g_ref, c if ends else t0 + c_len - 1, ks))[:, None]
+      elif has_g:
         to_end, gamma = decay_to_end(st, g)
         if st.decay == "scalar":                 # e^{G_C − G} on the rows of V_new, not of K̃
           vs = row_scale(vn, to_end)
-        elif not st.predecay:                    # (predecay: kw_ref holds K̃ ⊙ e^{G_C − G} already)
+        elif not st.predecay:                    # (predecay with inter: kw_ref holds K̃ ⊙ e^{G_C − G} already)
           kw = row_scale(kw.astype(F32), to_end)
         s = s * gamma
       new.append(s + dot(st.lo(kw), st.lo(vs), ta=True))
@@ -348,24 +376,26 @@ def decayed_tiles(st: L.Static, kw, G, q=None):
   return tuple(out) if q is not None else out[0]
 
 
-def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None):
+def state_pass(st: L.Static, W, U, kw, G, S0, info=None, q=None, ends=False):
   """→ (V_new [B, HV, T, V] and S_in [B, HV, NC·K, V] in st.mm, S_T [B, HV, K, V] fp32). Packed (`info` as
   `layout.chunk_info`): S0 and S_T are [1, HV, N·K, V] and S_T rows of absent segments are not written. With q
   [B, T, H, K] the second result is instead the inter-chunk output (Q⊙e^G) S_in [B, T, HV, V] fp32. With
-  `Static.predecay`, kw is `decayed_tiles`' K̃ ⊙ e^{G_C − G}."""
+  `Static.predecay`, kw is `decayed_tiles`' K̃ ⊙ e^{G_C − G} (or `scores`'); ends (with predecay, without q):
+  G is `scores`' G_C [B, HV, NC, K]."""
   bv = st.state_block_v
   _, w = L.state_pass_grid(st)
   in_specs = [L.head_major(st, st.key_dim, w, whole=True), L.head_major(st, bv, w, whole=True, split=True),
               key_spec(st, w, st.kw_head)]
   args = [W, U, kw]
-  if st.decay != "none":
-    in_specs.append(L.decay_spec(st, w, whole=True))
-    args.append(G)
   inter = q is not None
+  ends = ends and st.predecay and not inter
+  if st.decay != "none":
+    in_specs.append(L.chunk_ends(st, w, whole=True) if ends else L.decay_spec(st, w, whole=True))
+    args.append(G)
   if inter:
     in_specs.append(L.tokens(st, st.key_dim, w, st.key_head, whole=True))
     args.append(q)
-  return launch_state_pass(st, functools.partial(_state_kernel, inter=inter), in_specs, args, info, S0,
+  return launch_state_pass(st, functools.partial(_state_kernel, inter=inter, ends=ends), in_specs, args, info, S0,
                            "delta_rule_state_fwd", inter=inter)
 
 
@@ -386,15 +416,19 @@ def launch_state_pass(st, body, in_specs, args, info, state, name, inter=False):
 # ---------------------------------------------------------------------------------------------------------
 # 3. Outputs.
 # ---------------------------------------------------------------------------------------------------------
-def _output_kernel(st, *refs, inter=False, given=False):
+def _output_kernel(st, *refs, inter=False, given=False, decayed=False):
   """One chunk's O; inter: sin_ref holds its inter-chunk part (Q⊙e^G) S_in [C, BV] (fp32) instead of S_in;
-  given: p_ref holds the chunk's intra scores (`scores`), and kw is not read."""
-  has_g = st.decay != "none"
+  given: p_ref holds the chunk's intra scores (`scores`), and kw is not read; decayed (with given): q_ref
+  holds Q ⊙ e^G and G is not read."""
+  has_g = st.decay != "none" and not decayed
   q_ref, kw_ref, g_ref, p_ref, sin_ref, vn_ref, o_ref = _split(
       refs, 1, int(not given), int(has_g), int(given), 1, 1, 1)
   S = None if inter else st.lo(sin_ref[...])
   if given:                                      # per-channel decay: (Q⊙e^G) S_in + P V_new, two whole-chunk dots
-    acc = sin_ref[...] if inter else dot(st.lo(load(q_ref, ALL) * jnp.exp(load(g_ref, ALL))), S)
+    if inter:
+      acc = sin_ref[...]
+    else:
+      acc = dot(load(q_ref, ALL, dtype=None) if decayed else st.lo(load(q_ref, ALL) * jnp.exp(load(g_ref, ALL))), S)
     acc = acc + dot(p_ref[...], st.lo(vn_ref[...]))
     o_ref[...] = (st.scale * acc).astype(o_ref.dtype)
     return
@@ -417,17 +451,21 @@ def _output_kernel(st, *refs, inter=False, given=False):
     o_ref[block(a, s), :] = (st.scale * acc).astype(o_ref.dtype)
 
 
-def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, inter=False, P=None):
+def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, inter=False, P=None,
+           decayed: bool = False):
   """→ o [B, T, HV, V] in out_dtype. `kernel_body` replaces the kernel (tests: poisoned outputs). inter: S_in
   is the state pass's inter-chunk output [B, T, HV, V] fp32 (`state_pass(..., q=q)`). P: the intra-chunk
-  scores of `scores` [B, HV, T, C] (then kw is not read)."""
+  scores of `scores` [B, HV, T, C] (then kw is not read); decayed (with P): q is `scores`' Q ⊙ e^G
+  [B, HV, T, K] and G is not read."""
   bv = st.blocks.v_block("out", st.value_dim)
   w = L.chunk_v_grid
-  in_specs, args = [L.tokens(st, st.key_dim, w, st.key_head)], [q]
+  decayed = decayed and P is not None
+  in_specs = [L.head_major(st, st.key_dim, w) if decayed else L.tokens(st, st.key_dim, w, st.key_head)]
+  args = [q]
   if P is None:
     in_specs.append(L.tokens(st, st.key_dim, w, st.kw_head))
     args.append(kw)
-  if st.decay != "none":
+  if st.decay != "none" and not decayed:
     in_specs.append(L.decay_spec(st, w))
     args.append(G)
   if P is not None:
@@ -436,7 +474,7 @@ def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, 
   in_specs += [L.tokens(st, bv, w, split=True) if inter else L.states(st, bv, w),
                L.head_major(st, bv, w, split=True)]
   args += [S_in, V_new]
-  body = kernel_body or functools.partial(_output_kernel, inter=inter, given=P is not None)
+  body = kernel_body or functools.partial(_output_kernel, inter=inter, given=P is not None, decayed=decayed)
   kernel = lambda *refs: body(st, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks, st.value_dim // bv),
                      in_specs=in_specs, out_specs=L.tokens(st, bv, w, split=True),
@@ -446,18 +484,37 @@ def output(st: L.Static, q, kw, G, S_in, V_new, out_dtype, *, kernel_body=None, 
                      fp32_dots=st.fp32_dots, name="delta_rule_output")(*args)
 
 
+def scores_tiles(st: L.Static) -> bool:
+  """Whether the forward takes its decayed operands from `scores` (`BlockSizes.scores_tiles`)."""
+  return st.scores_first and st.blocks.scores_tiles and not st.fuse_inter
+
+
+def predecayed(st: L.Static) -> L.Static:
+  """st with `predecay` on: the state pass then reads pre-decayed K̃ tiles (here `scores`')."""
+  return dataclasses.replace(st, blocks=dataclasses.replace(st.blocks, predecay=True))
+
+
 def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool = False):
   """The whole forward: (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32), and T = (I + A)⁻¹
   [B, HV, T, C] fp32 when emit_t (the one residual the backward keeps besides the inputs). Packed: `info`
   and the state layout of `state_pass`."""
-  A, P = scores(st, q, k, kw, beta, G) if st.scores_first else (None, None)
+  A = P = None
+  tiles = scores_tiles(st)
+  kd, qd, kwd = k, q, kw
+  if tiles:                                      # K ⊙ e^G, Q ⊙ e^G and K̃ ⊙ e^{G_C − G} from `scores`
+    A, P, kd, qd, kwd, G_end = scores(st, q, k, kw, beta, G, tiles=True)
+  elif st.scores_first:
+    A, P = scores(st, q, k, kw, beta, G)
   if st.blocks.split_prep:
     T = [inverse(st, k, kw, beta, G, A=A)]
     W, U = prep(st, k, kw, v, beta, G, T=T[0])
   else:
-    W, U, *T = prep(st, k, kw, v, beta, G, emit_t=emit_t, A=A)
+    W, U, *T = prep(st, kd, kw, v, beta, G, emit_t=emit_t, A=A, decayed=tiles)
   inter = st.fuse_inter
-  kd = decayed_tiles(st, kw, G) if st.predecay else kw
-  V_new, S_in, S_T = state_pass(st, W, U, kd, G, S0, info, q=q if inter else None)
-  o = output(st, q, kw, G, S_in, V_new, q.dtype, inter=inter, P=P)
+  if tiles:
+    V_new, S_in, S_T = state_pass(predecayed(st), W, U, kwd, G_end, S0, info, ends=True)
+  else:
+    kwd = decayed_tiles(st, kw, G) if st.predecay else kw
+    V_new, S_in, S_T = state_pass(st, W, U, kwd, G, S0, info, q=q if inter else None)
+  o = output(st, qd, kw, G, S_in, V_new, q.dtype, inter=inter, P=P, decayed=tiles)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

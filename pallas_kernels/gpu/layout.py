@@ -262,6 +262,15 @@ def decay_spec(st: Static, where, whole=False, width=None):
   return tokens(st, st.key_dim, where, whole=whole)
 
 
+def chunk_ends(st: Static, where, whole=False):
+  """[B, HV, NC, K] per-channel G at each chunk's last token, G_C: one chunk's row (or every chunk's)."""
+  def index(*g):
+    b, h, c, _ = where(*g)
+    return b, h, (0 if whole else c), 0
+
+  return pl.BlockSpec((_SQ, _SQ, st.num_chunks if whole else _SQ, st.key_dim), index)
+
+
 # Grid → (b, h, c, iv) for the three grid shapes.
 def chunk_grid(b, h, c):
   return b, h, c, None
