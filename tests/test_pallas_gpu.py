@@ -406,6 +406,19 @@ def test_chunk_cumsum(chunk, kd, dtype):
     chunk_cumsum(g[:, :chunk + 1], 16, -30.0, interpret=True)
 
 
+def test_log_decay_dtypes():
+  """Per-channel log-decays in bf16 or fp16 run as their fp32 values (fp16 is cast first: the cumsum kernel
+  reads bf16 and fp32); d log_decay comes back in the input's dtype."""
+  p = random_problem(26, B=1, T=40, H=2, HV=2, K=16, V=16, decay="channel")
+  a = p.arrays(jnp.float32)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    g = a["log_decay"].astype(dtype)
+    run = lambda g: dict(zip(("o", "S"), gpu.delta_rule(**dict(a, log_decay=g), chunk_size=16)))
+    assert_trees_close(run(g), run(g.astype(jnp.float32)), jnp.float32)
+    dg = jax.grad(lambda g: jnp.sum(gpu.delta_rule(**dict(a, log_decay=g), chunk_size=16)[0]))(g)
+    assert dg.dtype == dtype and bool(jnp.isfinite(dg.astype(jnp.float32)).all())
+
+
 def test_scalar_chunk_cumsum():
   """The wrapper's scalar-decay in-chunk cumsum and its transpose equal jnp.cumsum's per chunk."""
   from pallas_kernels.gpu.delta_rule import _chunk_cumsum
