@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as hs
 from jax.experimental import pallas as pl
 
 import pallas_kernels
@@ -664,3 +665,39 @@ def test_linear_attention_fp32(decay):
   run = lambda impl: ops.linear_attention(arrays["q"], arrays["k"], arrays["v"], log_decay=arrays["log_decay"],
                                           output_final_state=True, chunk_size=16, implementation=impl)
   assert_trees_close(dict(zip("oS", run("pallas"))), dict(zip("oS", run("xla"))), jnp.float32)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=hs.integers(0, 2**31 - 1), decay=hs.sampled_from(DECAYS),
+       k_write=hs.sampled_from(("none", "key", "value")), heads=hs.sampled_from(((1, 1), (1, 4), (2, 2), (2, 4))),
+       K=hs.sampled_from((8, 24, 32)), V=hs.sampled_from((8, 40)), T=hs.integers(1, 80),
+       chunk=hs.sampled_from((16, 32, 64)), state=hs.booleans(),
+       cuts=hs.lists(hs.integers(1, 79), max_size=3, unique=True), extreme=hs.booleans())
+def test_random_problems_against_the_oracle(seed, decay, k_write, heads, K, V, T, chunk, state, cuts, extreme):
+  """Random shapes and features through `ops.delta_rule(implementation="pallas")` against the fp64 oracle:
+  outputs, final states and every input gradient; packed rows where `cuts` fall inside T; with `extreme`,
+  log-decays of −1e3 and exactly 0, β ∈ {0, 1} rows and zero keys."""
+  H, HV = heads
+  p = random_problem(seed, B=2, T=T, H=H, HV=HV, K=K, V=V, decay=decay, k_write=k_write, initial_state=state)
+  if extreme:
+    if p.log_decay is not None:
+      p.log_decay[:, ::7] = -1e3
+      p.log_decay[:, 1::5] = 0.0
+    p.beta[:, ::3] = 1.0
+    p.beta[:, 2::4] = 0.0
+    p.k[:, 3::6] = 0.0
+  cuts = sorted(c for c in cuts if c < T)
+  sids = None
+  if cuts:
+    row = np.searchsorted(np.asarray(cuts), np.arange(T), side="right").astype(np.int32)
+    sids = np.stack([row, row])
+    if state:
+      rng = np.random.default_rng(seed)
+      p.initial_state = rng.normal(size=(2 * (len(cuts) + 1), HV, K, V)) / np.sqrt(K)
+
+  def run(impl, **kw):
+    return lambda **a: ops.delta_rule(**a, output_final_state=True, segment_ids=sids, implementation=impl, **kw)
+
+  got = vjp_all(run("pallas", chunk_size=chunk), p.arrays(jnp.float32))
+  want = vjp_all(run("naive"), p.arrays(jnp.float64, jnp.float64, jnp.float64))
+  assert_trees_close(got, want, jnp.float32)
