@@ -408,15 +408,16 @@ def test_chunk_cumsum(chunk, kd, dtype):
 
 
 def test_log_decay_dtypes():
-  """Per-channel log-decays in bf16 or fp16 run as their fp32 values (fp16 is cast first: the cumsum kernel
-  reads bf16 and fp32); d log_decay comes back in the input's dtype."""
+  """Per-channel log-decays in bf16, fp16 or fp64 give the results of their fp32 values (the wrapper hands the
+  cumsum kernel bf16 as it is and casts the others to fp32); d log_decay comes back in the input's dtype."""
   p = random_problem(26, B=1, T=40, H=2, HV=2, K=16, V=16, decay="channel")
   a = p.arrays(jnp.float32)
-  for dtype in (jnp.bfloat16, jnp.float16):
+  run = jax.jit(lambda g: dict(zip(("o", "S"), gpu.delta_rule(**dict(a, log_decay=g), chunk_size=16))))
+  grad = jax.jit(jax.grad(lambda g: jnp.sum(run(g)["o"])))
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float64):
     g = a["log_decay"].astype(dtype)
-    run = lambda g: dict(zip(("o", "S"), gpu.delta_rule(**dict(a, log_decay=g), chunk_size=16)))
     assert_trees_close(run(g), run(g.astype(jnp.float32)), jnp.float32)
-    dg = jax.grad(lambda g: jnp.sum(gpu.delta_rule(**dict(a, log_decay=g), chunk_size=16)[0]))(g)
+    dg = grad(g)
     assert dg.dtype == dtype and bool(jnp.isfinite(dg.astype(jnp.float32)).all())
 
 

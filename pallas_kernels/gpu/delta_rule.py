@@ -113,7 +113,7 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
       g = _pad_to(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
       decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
     else:                                 # [B, T, HV, K]: the floor and the cumsum in one Pallas pass
-      g = log_decay if log_decay.dtype in SUPPORTED_DTYPES else log_decay.astype(jnp.float32)
+      g = log_decay if log_decay.dtype in SUPPORTED_DTYPES else log_decay.astype(jnp.float32)   # fp16, fp64
       g = _pad_to(_pad_to(g, 1, tp), 3, kp)
       decay, G = "channel", chunk_cumsum.chunk_cumsum(g, chunk_size, LOG_DECAY_FLOOR, interpret=interpret)
       g_wide = g if forward_chunk else None
