@@ -40,11 +40,13 @@ def _mb(fn, *args):
   return (m.temp_size_in_bytes + m.output_size_in_bytes) / 1e6
 
 
-def e2e(shape_name, decay, variant, record):
+def e2e(shape_name, decay, variant, record, modes=("fwd", "fwdbwd")):
   x = to_device(make_inputs(SHAPES[shape_name], decay, seed=2), jnp.bfloat16)
   x.pop("initial_state")
   fwd_fn, fwdbwd_fn = timing_fns("pallas", blocks_of(variant), 64)     # loss: sum(o) + sum(S)
   for mode, fn in (("fwd", fwd_fn), ("fwdbwd", fwdbwd_fn)):
+    if mode not in modes:
+      continue
     jax.block_until_ready(fn(x))
     record(dict(shape=shape_name, decay=decay, variant=variant, mode=mode, ms=jax_ms(fn, x), mb=_mb(fn, x)))
 
@@ -71,6 +73,7 @@ def main():
   ap.add_argument("--decays", default="channel", help="e2e: none, scalar, channel")
   ap.add_argument("--chunks", default="32,64", help="chunks: the per-channel chunks")
   ap.add_argument("--variants", default="default")
+  ap.add_argument("--modes", default="fwd,fwdbwd", help="e2e: fwd and/or fwdbwd")
   ap.add_argument("--out", default="results/compare_blocks.json")
   a = ap.parse_args()
   split = lambda s: [v for v in s.split(",") if v]
@@ -88,7 +91,7 @@ def main():
     for v in split(a.variants):
       if a.what == "e2e":
         for d in split(a.decays):
-          e2e(s, d, v, record)
+          e2e(s, d, v, record, split(a.modes))
       else:
         for c in map(int, split(a.chunks)):
           chunks(s, c, v, record)

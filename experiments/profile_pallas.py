@@ -75,12 +75,21 @@ def make_inputs(b, t, h, d, decay, chunk):
 
 
 def parse_blocks(text: str, sep: str = ","):
-  """BlockSizes overrides "name=value<sep>name=value" ("" or "default": the defaults); values are ints, strings
-  for the fp32_dots fields. An invalid value raises BlockSizes' ValueError."""
+  """BlockSizes overrides "name=value<sep>name=value" ("" or "default": the defaults); values are ints, True /
+  False, "auto", or strings for the fp32_dots fields. An invalid value raises BlockSizes' ValueError."""
   if text in ("", "default"):
     return DEFAULT_BLOCKS
+  words = {"True": True, "False": False, "auto": "auto"}
+
+  def value(k, v):
+    if k.startswith("fp32_dots") or v in words:
+      return words.get(v, v)
+    try:
+      return int(v)
+    except ValueError:
+      raise ValueError(f"BlockSizes.{k}={v!r}: expected an int, True, False or auto") from None
   over = dict(kv.split("=") for kv in text.split(sep) if kv)
-  return dataclasses.replace(DEFAULT_BLOCKS, **{k: v if k.startswith("fp32_dots") else int(v) for k, v in over.items()})
+  return dataclasses.replace(DEFAULT_BLOCKS, **{k: value(k, v) for k, v in over.items()})
 
 
 def make_static(b, t, h, d, decay, chunk, blocks):
