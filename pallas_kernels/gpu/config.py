@@ -56,7 +56,9 @@ class BlockSizes:
                 (`layout.Static.predecay`): when the state passes run few programs (the `chunk_for` serial
                 case), where their chunk loop is the critical path. H200, KDA, profile_pallas --runs 10, off →
                 on: B=1 T=32768 H=8 K=V=128 (chunk 32), whole forward 3.410 → 3.081 ms, backward 8.069 →
-                6.812; B=4 T=4096 H=16 (chunk 16), forward 1.223 → 1.258, backward 4.456 → 4.667.
+                6.812; B=4 T=4096 H=16 (chunk 16), forward 1.223 → 1.258, backward 4.456 → 4.667. With it the
+                reverse pass loads only G's last row per chunk, not the [C, K] tile (B=1 T=32768 H=8, forward+
+                backward, `kernel_times`: state_bwd 2.094 → 1.718 ms, all kernels 6.986 → 6.607).
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and

@@ -125,13 +125,15 @@ def _state_bwd_kernel(st, *refs):
     dh_ref[pl.ds(pl.multiple_of(c * kd, kd), kd), :] = dS.astype(dh_ref.dtype)
     kw, q, do = (r[pl.ds(t0, c_len), :] for r in (kw_ref, q_ref, do_ref))   # loads straight into the dots
     gamma = k_rows = None
-    if has_g:
+    if st.predecay:              # kw_ref, q_ref hold the decayed tiles: G's last row is all it needs (one row load)
+      gamma = jnp.exp(g_ref[t0 + c_len - 1, :].astype(F32))[:, None]
+    elif has_g:
       G = chunk_decay_rows(st, g_ref, t0)
       to_end, gamma = decay_to_end(st, G)
       if st.decay == "scalar":                   # row factors on the [C, BV] side of each dot
         k_rows = to_end
         do = row_scale(do.astype(F32), jnp.exp(G))
-      elif not st.predecay:                      # (predecay: kw_ref, q_ref hold the decayed tiles already)
+      else:
         kw = row_scale(kw.astype(F32), to_end)
         q = row_scale(q.astype(F32), jnp.exp(G))
     dvn = dvl_ref[pl.ds(t0, c_len), :].astype(F32) + row_scale(dot(st.lo(kw), st.lo(dS)), k_rows)
