@@ -27,7 +27,9 @@ from experiments.profile_pallas import make_inputs as kernel_inputs, make_static
 from experiments.timing import jax_ms
 from pallas_kernels.gpu import delta_rule_fwd as fwd
 
-SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "tiny": (1, 128, 2, 32)}
+SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "tiny": (1, 128, 2, 32),
+          # (B, T, H, K = V) beside the benchmark's two: head widths 64 and 256, and a single row of 16 heads
+          "k64": (4, 4096, 16, 64), "k256": (2, 4096, 16, 256), "row16": (1, 16384, 16, 128)}
 
 
 def blocks_of(variant: str):

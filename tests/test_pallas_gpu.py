@@ -163,8 +163,9 @@ def test_predecay():
 
 
 def test_channel_two_sub_blocks():
-  """Per-channel decay at chunk 32 (BlockSizes.chunk_channel): two 16-row sub-blocks, factored off-diagonal
-  and (decays allowing) factored diagonal blocks, odd T, GVA, asymmetric keys and a state."""
+  """Per-channel decay at chunk 32 (BlockSizes.chunk_channel; "auto" picks it at K = 128): two 16-row
+  sub-blocks, factored off-diagonal and (decays allowing) factored diagonal blocks, odd T, GVA, asymmetric keys
+  and a state."""
   p = random_problem(15, B=1, T=45, H=1, HV=2, K=16, V=16, decay="channel", k_write="value", initial_state=True)
   _compare(p, jnp.float32, 32, blocks=BlockSizes(chunk_channel=32))
 
@@ -358,9 +359,12 @@ def test_state_pass_block_v():
   assert b.v_block("out", 128, 128, lanes=1) == 128          # other kernels keep theirs
   st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
                                            value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True,
-                                           blocks=b, interpret=True), **kw})
+                                           blocks=b, interpret=True, low_precision=True), **kw})
   assert st().state_block_v == 16 and st(batch=8).state_block_v == 64
   assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
+  # one stage with fp32 intermediates (an H200's shared memory at K = V = 128) and with K or V above 128
+  assert st(low_precision=False).stages == 1 == st(low_precision=False).state_stages
+  assert st(key_dim=256).stages == 1 == st(value_dim=256).stages and st(key_dim=64).stages == b.stages == 3
 
 
 def test_fuse_inter_rule():
@@ -449,21 +453,30 @@ def test_predecay_rule():
 
 
 def test_channel_chunk_rule():
-  """Per-channel decay runs at `chunk_channel` (16), or at `chunk_channel_serial` (32) when even BV = 16 would
-  leave the state passes under STATE_PROGRAMS programs; never above the requested chunk; other decays keep it."""
+  """Per-channel decay runs at `chunk_channel` ("auto": 32 for bf16 at padded K = 128, else 16), or at
+  `chunk_channel_serial` (32) when even BV = 16 would leave the state passes under STATE_PROGRAMS programs;
+  never above the requested chunk; other decays keep it. chunk_channel 64 is refused (shared memory)."""
   b = BlockSizes()
   assert b.chunk_for("channel", 64) == 16 and b.chunk_for("channel", 64, lanes=64, vdim=128) == 16
+  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 32
+  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=4) == 16
+  assert [b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=kd, itemsize=2) for kd in (16, 32, 64, 256)] == [16] * 4
+  assert b.chunk_for("channel", 16, lanes=64, vdim=128, kdim=128, itemsize=2) == 16
   assert b.chunk_for("channel", 64, lanes=8, vdim=128) == 32 and b.chunk_for("channel", 16, lanes=8, vdim=128) == 16
-  assert b.chunk_for("channel", 64, lanes=16, vdim=128) == 16          # 128 programs at BV 16
+  assert b.chunk_for("channel", 64, lanes=16, vdim=128, kdim=64) == 16          # 128 programs at BV 16
   assert b.chunk_for("scalar", 64, lanes=1, vdim=16) == 64
   assert BlockSizes(chunk_channel_serial=16).chunk_for("channel", 64, lanes=1, vdim=16) == 16
+  assert BlockSizes(chunk_channel=16).chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 16
+  assert BlockSizes(chunk_channel=32).chunk_for("channel", 64, lanes=64, vdim=64, kdim=64) == 32
   with pytest.raises(ValueError, match="chunk_channel_serial"):
     BlockSizes(chunk_channel_serial=8)
+  with pytest.raises(ValueError, match="chunk_channel="):
+    BlockSizes(chunk_channel=64)
 
 
 def test_channel_chunk_rule_sees_the_rows(monkeypatch):
-  """`delta_rule` hands the chunk rule batch rows × value heads (packed: segments × value heads) and the padded
-  V (traced only: jax.eval_shape)."""
+  """`delta_rule` hands the chunk rule batch rows × value heads (packed: segments × value heads), the padded
+  V, the padded K and the inputs' itemsize (traced only: jax.eval_shape)."""
   from pallas_kernels.gpu import config
   seen = []
   rule = config.BlockSizes.chunk_for
@@ -475,7 +488,7 @@ def test_channel_chunk_rule_sees_the_rows(monkeypatch):
       a["q"], a["k"], a["v"], a["beta"], k_write=a["k_write"], log_decay=a["log_decay"], **kw), a)
   run()
   run(segment_ids=ids, num_segments=5)
-  assert seen == [("channel", 64, 8, 32), ("channel", 64, 20, 32)]
+  assert seen == [("channel", 64, 8, 32, 16, 4), ("channel", 64, 20, 32, 16, 4)]
 
 
 @pytest.mark.parametrize("decay", ["scalar", "channel"])

@@ -80,7 +80,8 @@ class BlockSizes:
                 end at chunk 64, `compare_blocks e2e`, one run: B=4 T=4096 H=16 0.975 ms at 4, 0.955 at 2;
                 B=1 T=32768 H=8 1.451 at 4, 1.433 at 2. Before `scores_tiles`, when prep formed K ⊙ e^G
                 itself, 4 was faster: 0.349 ms against 0.441 at 2).
-  stages:       Triton num_stages (software pipelining of the loops).
+  stages:       Triton num_stages (software pipelining of the loops); `layout.Static.stages` runs 1 instead
+                with fp32 intermediates or K, V > 128 (shared memory).
   chunk_channel_forward: per-channel decay, unpacked: the chunk of a forward that is not differentiated (the
                 custom_vjp's primal: inference, evaluation), at most the requested chunk_size; 0: the same chunk
                 as under autodiff. The forward with residuals and the backward keep `chunk_for`'s chunk (their
@@ -118,14 +119,21 @@ class BlockSizes:
                 B=4 T=4096 H=16 K=V=128 DeltaNet 0.429 → 0.413 / 1.801 → 1.711, KDA 1.314 → 1.221 / 5.114 →
                 4.881; B=1 T=32768 H=8 KDA 2.249 → 2.144 / 7.655 → 7.410. Errors against fp32 XLA on the same
                 bf16 inputs unchanged to two digits (≤ 5.4e-3, `check_pallas_gpu --check-variant tf32`).
-  chunk_channel: the largest chunk the per-channel kernels run at: per-channel decay solves with chunk
-                min(chunk_size, chunk_channel) (the chunk changes rounding only, not the function). 16
-                measured fastest on an H200 (docs/benchmarks.md): larger chunks unroll more sub-blocks
-                than the registers hold.
+  chunk_channel: the largest chunk the per-channel kernels run at under autodiff: per-channel decay solves
+                with chunk min(chunk_size, chunk_channel) (the chunk changes rounding only, not the function).
+                At 32 the forward forms the Gram and scores in `scores` first, and the backward stores half
+                the chunk states (S_in and dS, [B, HV, NC·K, V]) of chunk 16. "auto": 32 for 16-bit inputs at
+                padded K = 128, else 16. H200, KDA forward+backward (`compare_blocks e2e`, bf16, one run, chunk
+                16 against 32, ms / MB of temp + outputs): B=4 T=4096 H=16 K=V=128 4.842 / 2031 against 4.607
+                / 1511; B=1 T=16384 H=16 K=V=128 7.036 / 2031 against 6.184 / 1511; B=4 T=4096 H=16 K=V=64
+                2.292 / 756 against 2.433 / 640; B=2 T=4096 H=16 K=V=256 7.016 / 3096 against 7.934 / 2031.
+                fp32 at B=4 T=4096 H=16 K=V=128: 30.8 ms at 16, 54.0 at 32. 64 is refused: bf16 at that
+                shape asked 237 KB of shared memory (232 KB on an H200).
   chunk_channel_serial: the same when few rows run (`chunk_for`): the state passes' serial chunk loop is
-                then the critical path, and fewer chunks halve it. H200, KDA B=1 T=32768 H=8 K=V=128
-                (profile_pallas, one run): chunk 16 → 32, whole forward 3.251 → 3.461 ms, whole backward
-                9.839 → 7.755 ms (state_bwd 4.249 → 2.823).
+                then the critical path, and fewer chunks shorten it. H200, KDA B=1 T=32768 H=8 K=V=128
+                (profile_pallas, one run, before `scores`): chunk 16 → 32, whole forward 3.251 → 3.461 ms,
+                whole backward 9.839 → 7.755 ms (state_bwd 4.249 → 2.823); 64: forward+backward 8.657
+                against 7.154 at 32 (`compare_blocks e2e`).
   """
   sub: int = 16
   block_v_state: int = 64     # H200 B=4 T=4096 H=16 K=128 (profile_pallas, one run, with warps_prep=2): state_fwd
@@ -149,7 +157,7 @@ class BlockSizes:
   warps_prep_scores: int = 2
   warps_finish: int = 4
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
-  chunk_channel: int = 16
+  chunk_channel: int | str = "auto"
   chunk_channel_serial: int = 32
   chunk_channel_forward: int = 64
   fp32_dots: str = "tf32x3"
@@ -177,9 +185,10 @@ class BlockSizes:
     for name in ("block_k_diag", "block_k_pairs", "block_k_scores"):
       if getattr(self, name) > 64:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be ≤ 64 (registers)")
-    for name in ("chunk_channel", "chunk_channel_serial"):
-      if getattr(self, name) not in CHUNK_SIZES:
-        raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be one of {CHUNK_SIZES}")
+    if self.chunk_channel not in ("auto", 16, 32):
+      raise ValueError(f"BlockSizes.chunk_channel={self.chunk_channel!r} must be 16, 32 or 'auto'")
+    if self.chunk_channel_serial not in CHUNK_SIZES:
+      raise ValueError(f"BlockSizes.chunk_channel_serial={self.chunk_channel_serial} must be one of {CHUNK_SIZES}")
     if self.chunk_channel_forward not in (0, *CHUNK_SIZES):
       raise ValueError(f"BlockSizes.chunk_channel_forward={self.chunk_channel_forward} must be 0 or one of "
                        f"{CHUNK_SIZES}")
@@ -197,14 +206,21 @@ class BlockSizes:
     if self.stages < 1:
       raise ValueError(f"BlockSizes.stages={self.stages} must be ≥ 1")
 
-  def chunk_for(self, decay: str, chunk: int, lanes: int = 0, vdim: int = 0) -> int:
+  def chunk_for(self, decay: str, chunk: int, lanes: int = 0, vdim: int = 0, kdim: int = 0,
+                itemsize: int = 0) -> int:
     """The chunk the kernels run at for a requested `chunk` and decay ("none" | "scalar" | "channel").
-    Per-channel decay runs at `chunk_channel`, or at `chunk_channel_serial` when the state passes would run
-    fewer than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
+    Per-channel decay runs at `chunk_channel` ("auto": 32 for inputs of `itemsize` 2 bytes at padded K =
+    `kdim` = 128, else 16; 0: unknown), or at `chunk_channel_serial` when the state passes would run fewer
+    than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
     if decay != "channel":
       return chunk
-    serial = self.serial(lanes, vdim)
-    return min(chunk, max(self.chunk_channel_serial if serial else self.chunk_channel, self.sub))
+    if self.serial(lanes, vdim):
+      wide = self.chunk_channel_serial
+    elif self.chunk_channel == "auto":
+      wide = 32 if (kdim, itemsize) == (128, 2) else 16
+    else:
+      wide = self.chunk_channel
+    return min(chunk, max(wide, self.sub))
 
   def forward_chunk(self, decay: str, requested: int, chunk: int, packed: bool) -> int:
     """The chunk of an undifferentiated per-channel forward (`chunk_channel_forward`, at most the `requested`
