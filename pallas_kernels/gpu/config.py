@@ -128,7 +128,7 @@ class BlockSizes:
                 / 1511; B=1 T=16384 H=16 K=V=128 7.036 / 2031 against 6.184 / 1511; B=4 T=4096 H=16 K=V=64
                 2.292 / 756 against 2.433 / 640; B=2 T=4096 H=16 K=V=256 7.016 / 3096 against 7.934 / 2031.
                 fp32 at B=4 T=4096 H=16 K=V=128: 30.8 ms at 16, 54.0 at 32. 64 is refused: bf16 at that
-                shape asked 237 KB of shared memory (232 KB on an H200).
+                shape asked 238 KB of shared memory (232 KB on an H200).
   chunk_channel_serial: the same when few rows run (`chunk_for`): the state passes' serial chunk loop is
                 then the critical path, and fewer chunks shorten it. H200, KDA B=1 T=32768 H=8 K=V=128
                 (profile_pallas, one run, before `scores`): chunk 16 → 32, whole forward 3.251 → 3.461 ms,

@@ -95,7 +95,7 @@ class Static:
   def stages(self) -> int:
     """Triton num_stages: 1 when K or V > 128 (pipelined buffers of K×V tiles would not fit shared memory) and
     when the intermediates are fp32 (fp32 inputs, or bf16 without `low_precision`): at K = V = 128 every decay's
-    forward and the none / scalar backward asked 256–384 KB of shared memory at 3 stages on an H200 (232 KB
+    forward and the none / scalar backward asked 262–393 KB of shared memory at 3 stages on an H200 (232 KB
     there)."""
     if max(self.key_dim, self.value_dim) > 128 or not self.low_precision:
       return 1
