@@ -1,4 +1,4 @@
-"""Block-size and chunk variants of the Pallas GPU delta rule, measured in one process (bf16 inputs).
+"""Block-size and chunk variants of the Pallas GPU delta rule, measured in one process (bf16 inputs; e2e also fp32).
 
   e2e:    `pallas_kernels.gpu.delta_rule.delta_rule` end to end (the wrapper's padding and cumsum included),
           forward and forward+backward, per decay and `BlockSizes` variant: ms and the compiled temp + output MB.
@@ -42,15 +42,16 @@ def _mb(fn, *args):
   return (m.temp_size_in_bytes + m.output_size_in_bytes) / 1e6
 
 
-def e2e(shape_name, decay, variant, record, modes=("fwd", "fwdbwd")):
-  x = to_device(make_inputs(SHAPES[shape_name], decay, seed=2), jnp.bfloat16)
+def e2e(shape_name, decay, variant, record, modes=("fwd", "fwdbwd"), dtype=jnp.bfloat16):
+  x = to_device(make_inputs(SHAPES[shape_name], decay, seed=2), dtype)
   x.pop("initial_state")
   fwd_fn, fwdbwd_fn = timing_fns("pallas", blocks_of(variant), 64)     # loss: sum(o) + sum(S)
   for mode, fn in (("fwd", fwd_fn), ("fwdbwd", fwdbwd_fn)):
     if mode not in modes:
       continue
     jax.block_until_ready(fn(x))
-    record(dict(shape=shape_name, decay=decay, variant=variant, mode=mode, ms=jax_ms(fn, x), mb=_mb(fn, x)))
+    record(dict(shape=shape_name, decay=decay, dtype=jnp.dtype(dtype).name, variant=variant, mode=mode,
+                ms=jax_ms(fn, x), mb=_mb(fn, x)))
 
 
 def chunks(shape_name, chunk, variant, record):
@@ -76,6 +77,7 @@ def main():
   ap.add_argument("--chunks", default="32,64", help="chunks: the per-channel chunks")
   ap.add_argument("--variants", default="default")
   ap.add_argument("--modes", default="fwd,fwdbwd", help="e2e: fwd and/or fwdbwd")
+  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="e2e: of q, k, v")
   ap.add_argument("--out", default="results/compare_blocks.json")
   a = ap.parse_args()
   split = lambda s: [v for v in s.split(",") if v]
@@ -93,7 +95,7 @@ def main():
     for v in split(a.variants):
       if a.what == "e2e":
         for d in split(a.decays):
-          e2e(s, d, v, record, split(a.modes))
+          e2e(s, d, v, record, split(a.modes), jnp.bfloat16 if a.dtype == "bf16" else jnp.float32)
       else:
         for c in map(int, split(a.chunks)):
           chunks(s, c, v, record)

@@ -80,15 +80,18 @@ def main():
   ap.add_argument("--modes", default="fwd,fwdbwd")
   ap.add_argument("--impl", default="pallas")
   ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,K (K = V)")
+  ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="of q, k, v")
   ap.add_argument("--calls", type=int, default=10)
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--out", default=None, help="keep the traces here (default: a temporary folder)")
   a = ap.parse_args()
   shape = tuple(map(int, a.shape.split(",")))
   root = a.out or tempfile.mkdtemp()
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; shape {shape}; {a.calls} calls", flush=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; shape {shape}; {a.dtype}; {a.calls} calls",
+        flush=True)
+  dtype = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
   for op in a.ops.split(","):
-    x = throughput._jax_inputs(throughput._inputs(op, shape))
+    x = throughput._jax_inputs(throughput._inputs(op, shape), dtype)
     do = jnp.asarray(np.random.default_rng(1).normal(size=shape), jnp.float32)
     for mode in a.modes.split(","):
       fn = throughput._jax_fn(op, a.impl, mode, do)

@@ -82,9 +82,10 @@ def _ours(op, impl):
   return f
 
 
-def _jax_inputs(x):
-  bf16 = ("q", "k", "v")
-  return {n: jnp.asarray(a, jnp.bfloat16 if n in bf16 else jnp.float32) for n, a in x.items()}
+def _jax_inputs(x, dtype=jnp.bfloat16):
+  """q, k, v in `dtype` (bf16, the benchmark's), everything else fp32."""
+  wide = ("q", "k", "v")
+  return {n: jnp.asarray(a, dtype if n in wide else jnp.float32) for n, a in x.items()}
 
 
 def _jax_fn(op, impl, mode, do):

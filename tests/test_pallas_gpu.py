@@ -367,6 +367,40 @@ def test_state_pass_block_v():
   assert st(key_dim=256).stages == 1 == st(value_dim=256).stages and st(key_dim=64).stages == b.stages == 3
 
 
+def test_fp32_prep_warps():
+  """prep, `inverse` and `wu` run `warps_prep_fp32` warps whenever the intermediates are fp32, for every decay and
+  T source; with bf16 intermediates each keeps its own field. Fewer than 4 is refused (a Triton miscompile)."""
+  from pallas_kernels.gpu import delta_rule_fwd, layout
+  b = BlockSizes(warps_prep=2, warps_prep_channel=4, warps_prep_scores=16, warps_prep_fp32=32)
+  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
+                                           value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True,
+                                           blocks=b, interpret=True, low_precision=True), **kw})
+  for decay in ("none", "scalar", "channel"):
+    for source in ("gram", "a", "t"):
+      assert delta_rule_fwd._prep_warps(st(decay=decay, low_precision=False), source) == 32
+  assert delta_rule_fwd._prep_warps(st(), "gram") == 2 == delta_rule_fwd._prep_warps(st(decay="scalar"), "t")
+  assert delta_rule_fwd._prep_warps(st(decay="channel"), "gram") == 4
+  assert delta_rule_fwd._prep_warps(st(decay="channel"), "a") == 16
+  assert BlockSizes().warps_prep_fp32 == 8 and BlockSizes(warps_prep_fp32=4).warps_prep_fp32 == 4
+  with pytest.raises(ValueError, match="warps_prep_fp32"):
+    BlockSizes(warps_prep_fp32=2)
+
+
+def test_fp32_grad_block_v():
+  """`grads_state` and `grads_intra` step V by `block_v_grad_fp32` with fp32 intermediates, by `block_v_grad`
+  otherwise, both clamped to the padded V."""
+  from pallas_kernels.gpu import layout
+  b = BlockSizes(block_v_grad=64, block_v_grad_fp32=16)
+  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
+                                           value_dim=128, chunk=16, decay="channel", scale=1.0, same_keys=True,
+                                           blocks=b, interpret=True, low_precision=True), **kw})
+  assert st().grad_block_v == 64 and st(low_precision=False).grad_block_v == 16
+  assert st(value_dim=32).grad_block_v == 32 and st(blocks=BlockSizes()).grad_block_v == 128
+  assert st(blocks=BlockSizes(), low_precision=False).grad_block_v == 32
+  with pytest.raises(ValueError, match="block_v_grad_fp32"):
+    BlockSizes(block_v_grad_fp32=8)
+
+
 def test_fuse_inter_rule():
   """`BlockSizes.fuse_inter="auto"` fuses the inter-chunk output into the state pass exactly when the chunk
   states (state dtype) would outweigh the fp32 output and the state pass fills the GPU: KDA's chunk 16 in bf16

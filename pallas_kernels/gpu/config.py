@@ -61,6 +61,9 @@ class BlockSizes:
                 backward, `kernel_times`: state_bwd 2.094 → 1.718 ms, all kernels 6.986 → 6.607).
   block_v_out:  V columns per program of the output kernel and of the local-dv kernel.
   block_v_grad: V columns per step of the V loops of the gradient kernels (`grads_state`, `grads_intra`).
+  block_v_grad_fp32: the same when the intermediates are fp32. H200, KDA fp32 B=4 T=4096 H=16 K=V=128 (chunk 16),
+                forward+backward (`compare_blocks e2e --dtype fp32`, one run): 31.2 ms at 128 (`grads_state` 19.7
+                of it), 13.5 at 64, 12.5 at 32.
   block_k_grad: K columns per program of `grads_state`, `grads_finish` (decay none / scalar) and
                 `grads_pairs` (per channel).
   block_k_diag: K columns per step of the per-channel diagonal sub-blocks of the score kernels (prep, output,
@@ -80,6 +83,13 @@ class BlockSizes:
                 end at chunk 64, `compare_blocks e2e`, one run: B=4 T=4096 H=16 0.975 ms at 4, 0.955 at 2;
                 B=1 T=32768 H=8 1.451 at 4, 1.433 at 2. Before `scores_tiles`, when prep formed K ⊙ e^G
                 itself, 4 was faster: 0.349 ms against 0.441 at 2).
+  warps_prep_fp32: num_warps of prep, `inverse` and the backward's `wu` (every decay) when the intermediates are
+                fp32 (fp32 inputs, or bf16 without `bf16_matmuls`): their fp32 [C, K] tiles spill at 2 warps.
+                H200, fp32, B=4 T=4096 H=16 K=V=128 (`kernel_times`, `compare_blocks e2e --dtype fp32`, one run,
+                ms): DeltaNet prep 9.19 and wu 6.14 at 2 warps, whole forward 10.52 → 2.71 at 8 (3.35 at 4),
+                forward+backward 22.89 → 13.58; GDN forward+backward 17.05 → 11.36. At 2 warps and K = 128 the
+                prep that does not store T also computed wrong W, U (relative RMS 0.27 from row 52 of the first
+                chunk on; the same kernel storing T, or at 8 warps, agreed exactly): values below 4 are refused.
   stages:       Triton num_stages (software pipelining of the loops); `layout.Static.stages` runs 1 instead
                 with fp32 intermediates or K, V > 128 (shared memory).
   chunk_channel_forward: per-channel decay, unpacked: the chunk of a forward that is not differentiated (the
@@ -142,6 +152,7 @@ class BlockSizes:
   predecay: bool | str = "auto"
   block_v_out: int = 128
   block_v_grad: int = 128
+  block_v_grad_fp32: int = 32
   block_k_grad: int = 64
   block_k_diag: int = 16
   block_k_pairs: int = 64
@@ -155,6 +166,7 @@ class BlockSizes:
   warps_pairs: int = 4
   warps_scores: int = 2
   warps_prep_scores: int = 2
+  warps_prep_fp32: int = 8
   warps_finish: int = 4
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int | str = "auto"
@@ -167,18 +179,22 @@ class BlockSizes:
   scores_tiles: bool = True
   fuse_inter: bool | str = "auto"
 
-  _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag", "block_k_scores",
+  _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag", "block_k_scores",
            "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",
-           "block_k_pairs", "warps_prep_channel", "warps_pairs", "warps_scores", "warps_prep_scores")
+           "block_k_pairs", "warps_prep_channel", "warps_pairs", "warps_scores", "warps_prep_scores",
+           "warps_prep_fp32")
 
   def __post_init__(self):
     for name in self._POW2:
       value = getattr(self, name)
       if not _pow2(value):
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
+    if self.warps_prep_fp32 < 4:
+      raise ValueError(f"BlockSizes.warps_prep_fp32={self.warps_prep_fp32} must be ≥ 4 (at 2, Triton computed wrong "
+                       "W, U in the fp32 prep at K = 128 on an H200)")
     if self.sub not in (16, 32):
       raise ValueError(f"BlockSizes.sub={self.sub} must be 16 or 32 (Triton dots need dims ≥ 16)")
-    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_k_grad", "block_k_diag", "block_k_pairs",
+    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag", "block_k_pairs",
                  "block_k_scores"):
       if not 16 <= getattr(self, name) <= MAX_DIM:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be in [16, {MAX_DIM}]")
@@ -241,7 +257,7 @@ class BlockSizes:
       raise ValueError(f"BlockSizes.sub={self.sub} must divide chunk_size={chunk}")
 
   def v_block(self, name: str, vdim: int, kdim: int = 0, lanes: int = 0) -> int:
-    """The V block of kernel family `name` ("state" | "out" | "grad") for padded V = vdim. The state passes'
+    """The V block of kernel family `name` ("state" | "out" | "grad" | "grad_fp32") for padded V = vdim. The state passes'
     [K, BV] fp32 state tile (padded K = kdim) is kept to ≤ 128 × 64 elements, and with `lanes` (batch rows or
     packed segments × value heads) BV halves, down to 16, while lanes · V / BV < STATE_PROGRAMS."""
     bv = min(getattr(self, f"block_v_{name}"), vdim)

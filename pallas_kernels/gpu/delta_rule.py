@@ -34,13 +34,7 @@ def _solve(st: Static, q, k, kw, v, beta, G, g, S0, info):
   if g is not None:
     G = chunk_cumsum.chunk_cumsum(g, st.forward_chunk, LOG_DECAY_FLOOR, interpret=st.interpret)
     st = dataclasses.replace(st, chunk=st.forward_chunk, forward_chunk=0)
-  # Decay none with fp32 intermediates: on an H200 the prep kernel that does not store T gave o and S off by
-  # 0.30 / 0.33 relative RMS against XLA (B=4 T=4096 H=16 K=V=128, fp32; interpret mode agrees with XLA), while the
-  # same forward storing T, the differentiated one, agreed to 6.3e-7. Until that is localised (docs/benchmarks.md,
-  # fifteenth session), this forward stores T too and drops it.
-  emit_t = st.decay == "none" and not st.low_precision
-  out = delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=emit_t)
-  return out[:2]
+  return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
 
 
 def _solve_fwd(st, q, k, kw, v, beta, G, g, S0, info):

@@ -179,7 +179,7 @@ def _grads_state_kernel(st, *refs):
    dq_ref, dw_ref, dkw_ref, dg_ref) = _split(refs, int(has_g), int(has_g), int(has_g), 1, 1, 1, 1, 1,
                                              1, 1, 1, int(has_g))
   dqs = dws = dks = dgam = None
-  bvg = st.blocks.v_block("grad", st.value_dim)
+  bvg = st.grad_block_v
   for vb in range(st.value_dim // bvg):
     cs = slice(vb * bvg, (vb + 1) * bvg)
     S, dS = st.lo(sin_ref[:, cs]), st.lo(dh_ref[:, cs])                 # [BK, BV]
@@ -249,7 +249,7 @@ def grads_state(st: L.Static, q, kw, G, S_in, dS_out, V_new, dV_new, do):
 def _intra_v_loop(st, t_lo, beta, do_ref, vn_ref, dvn_ref, v_ref, dv_ref):
   """dM = dO V_newᵀ, dTu = dV_new (βV)ᵀ [C, C] and dβ's V part, storing dv = β Tᵀ dV_new."""
   dM = dTu = dbeta = None
-  bvg = st.blocks.v_block("grad", st.value_dim)
+  bvg = st.grad_block_v
   for vb in range(st.value_dim // bvg):
     cs = slice(vb * bvg, (vb + 1) * bvg)
     do, vn, dvn = (st.lo(r[:, cs]) for r in (do_ref, vn_ref, dvn_ref))

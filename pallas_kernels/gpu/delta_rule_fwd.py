@@ -170,6 +170,8 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
 
 
 def _prep_warps(st, source):
+  if not st.low_precision:
+    return st.blocks.warps_prep_fp32
   if st.decay != "channel":
     return st.blocks.warps_prep
   return st.blocks.warps_prep_scores if source == "a" else st.blocks.warps_prep_channel

@@ -142,6 +142,12 @@ class Static:
     return (self.segments or self.batch) * self.value_heads
 
   @property
+  def grad_block_v(self) -> int:
+    """V columns per step of `grads_state` and `grads_intra` (`BlockSizes.block_v_grad_fp32` with fp32
+    intermediates)."""
+    return self.blocks.v_block("grad" if self.low_precision else "grad_fp32", self.value_dim)
+
+  @property
   def fuse_inter(self) -> bool:
     """`BlockSizes.fuse_inter` resolved. "auto" fuses when the chunk states [NC·K, V] in the state dtype would
     outweigh the fp32 inter-chunk output [T, V] and the state pass runs at least `STATE_PROGRAMS` programs
