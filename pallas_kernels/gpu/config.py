@@ -137,8 +137,8 @@ class BlockSizes:
                 16 against 32, ms / MB of temp + outputs): B=4 T=4096 H=16 K=V=128 4.842 / 2031 against 4.607
                 / 1511; B=1 T=16384 H=16 K=V=128 7.036 / 2031 against 6.184 / 1511; B=4 T=4096 H=16 K=V=64
                 2.292 / 756 against 2.433 / 640; B=2 T=4096 H=16 K=V=256 7.016 / 3096 against 7.934 / 2031.
-                fp32 at B=4 T=4096 H=16 K=V=128: 30.8 ms at 16, 54.0 at 32. 64 is refused: bf16 at that
-                shape asked 238 KB of shared memory (232 KB on an H200).
+                fp32 at B=4 T=4096 H=16 K=V=128, before `block_v_grad_fp32`: 30.8 ms at 16, 54.0 at 32. 64 is
+                refused: bf16 at that shape asked 238 KB of shared memory (232 KB on an H200).
   chunk_channel_serial: the same when few rows run (`chunk_for`): the state passes' serial chunk loop is
                 then the critical path, and fewer chunks shorten it. H200, KDA B=1 T=32768 H=8 K=V=128
                 (profile_pallas, one run, before `scores`): chunk 16 → 32, whole forward 3.251 → 3.461 ms,
@@ -179,9 +179,9 @@ class BlockSizes:
   scores_tiles: bool = True
   fuse_inter: bool | str = "auto"
 
-  _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag", "block_k_scores",
-           "warps_chunk", "warps_prep", "warps_state", "warps_grad_state", "warps_grad", "warps_finish",
-           "block_k_pairs", "warps_prep_channel", "warps_pairs", "warps_scores", "warps_prep_scores",
+  _POW2 = ("sub", "block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag",
+           "block_k_scores", "block_k_pairs", "warps_chunk", "warps_prep", "warps_state", "warps_grad_state",
+           "warps_grad", "warps_finish", "warps_prep_channel", "warps_pairs", "warps_scores", "warps_prep_scores",
            "warps_prep_fp32")
 
   def __post_init__(self):
@@ -194,8 +194,8 @@ class BlockSizes:
                        "W, U in the fp32 prep at K = 128 on an H200)")
     if self.sub not in (16, 32):
       raise ValueError(f"BlockSizes.sub={self.sub} must be 16 or 32 (Triton dots need dims ≥ 16)")
-    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag", "block_k_pairs",
-                 "block_k_scores"):
+    for name in ("block_v_state", "block_v_out", "block_v_grad", "block_v_grad_fp32", "block_k_grad", "block_k_diag",
+                 "block_k_pairs", "block_k_scores"):
       if not 16 <= getattr(self, name) <= MAX_DIM:
         raise ValueError(f"BlockSizes.{name}={getattr(self, name)} must be in [16, {MAX_DIM}]")
     for name in ("block_k_diag", "block_k_pairs", "block_k_scores"):
@@ -257,9 +257,9 @@ class BlockSizes:
       raise ValueError(f"BlockSizes.sub={self.sub} must divide chunk_size={chunk}")
 
   def v_block(self, name: str, vdim: int, kdim: int = 0, lanes: int = 0) -> int:
-    """The V block of kernel family `name` ("state" | "out" | "grad" | "grad_fp32") for padded V = vdim. The state passes'
-    [K, BV] fp32 state tile (padded K = kdim) is kept to ≤ 128 × 64 elements, and with `lanes` (batch rows or
-    packed segments × value heads) BV halves, down to 16, while lanes · V / BV < STATE_PROGRAMS."""
+    """The V block of kernel family `name` ("state" | "out" | "grad" | "grad_fp32") for padded V = vdim. The state
+    passes' [K, BV] fp32 state tile (padded K = kdim) is kept to ≤ 128 × 64 elements, and with `lanes` (batch
+    rows or packed segments × value heads) BV halves, down to 16, while lanes · V / BV < STATE_PROGRAMS."""
     bv = min(getattr(self, f"block_v_{name}"), vdim)
     if name != "state":
       return bv
