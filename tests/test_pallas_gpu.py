@@ -29,7 +29,7 @@ DECAYS = ("none", "scalar", "channel")
 # every kernel and the forward's T formed by its own kernel (split_prep); the inter-chunk output formed by the
 # state pass (fuse_inter) with key-head write keys, GVA and an output V block smaller than V. (The bf16 cases
 # add key-head write keys with GVA.)
-_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16, split_prep=True)
+_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16, block_v_grad_fp32=16, split_prep=True)
 VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, BlockSizes()),
             "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V),
             "fused-inter": (45, 16, 2, 4, "key", True, False, BlockSizes(fuse_inter=True, block_v_out=16))}
@@ -143,7 +143,7 @@ def test_split_k(decay):
   16-row pieces (fused inter-chunk output with decay)."""
   p = random_problem(14, B=1, T=40, H=1, HV=2, K=32, V=32, decay=decay, k_write="key", initial_state=True)
   blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_k_pairs=16,
-                      block_v_grad=16, state_k_piece=16, fuse_inter=decay != "none")
+                      block_v_grad=16, block_v_grad_fp32=16, state_k_piece=16, fuse_inter=decay != "none")
   _compare(p, jnp.float32, 16, blocks=blocks)
 
 
@@ -397,6 +397,8 @@ def test_fp32_grad_block_v():
   assert st().grad_block_v == 64 and st(low_precision=False).grad_block_v == 16
   assert st(value_dim=32).grad_block_v == 32 and st(blocks=BlockSizes()).grad_block_v == 128
   assert st(blocks=BlockSizes(), low_precision=False).grad_block_v == 32
+  # the V-split cases of test_fp32 and test_split_k do step V twice in fp32
+  assert st(blocks=_SPLIT_V, low_precision=False, value_dim=32).grad_block_v == 16
   with pytest.raises(ValueError, match="block_v_grad_fp32"):
     BlockSizes(block_v_grad_fp32=8)
 
