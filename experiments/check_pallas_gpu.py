@@ -36,6 +36,7 @@ from pallas_kernels.gpu import delta_rule as gpu
 from pallas_kernels.gpu.config import BlockSizes
 
 SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "small": (2, 1024, 4, 64),
+          "wide": (2, 2048, 8, 256),   # the largest K = V the kernels take
           "tiny": (1, 100, 2, 16)}   # tiny: a smoke test that also runs on CPU (interpret mode)
 DECAYS = ("none", "scalar", "channel")
 VARIANTS = {"default": BlockSizes(), "sub32": BlockSizes(sub=32),

@@ -403,6 +403,29 @@ def test_fp32_grad_block_v():
     BlockSizes(block_v_grad_fp32=8)
 
 
+def test_fp32_chunk_rule(monkeypatch):
+  """Decay none / scalar with fp32 inputs at padded K ≥ 128 run at most at `chunk_fp32` (16), never above the
+  requested chunk nor below `sub`; bf16, K ≤ 64 and per-channel decay keep their own rules; `delta_rule`
+  passes the chosen chunk to the kernels for every decay."""
+  b = BlockSizes()
+  for decay in ("none", "scalar"):
+    assert [b.chunk_for(decay, 64, kdim=kd, itemsize=4) for kd in (16, 64, 128, 256)] == [64, 64, 16, 16]
+    assert b.chunk_for(decay, 64, kdim=128, itemsize=2) == 64 and b.chunk_for(decay, 32, kdim=256, itemsize=4) == 16
+  assert BlockSizes(sub=32).chunk_for("none", 64, kdim=128, itemsize=4) == 32
+  assert BlockSizes(chunk_fp32=64).chunk_for("scalar", 64, kdim=256, itemsize=4) == 64
+  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 32     # its own rule
+  with pytest.raises(ValueError, match="chunk_fp32"):
+    BlockSizes(chunk_fp32=8)
+  seen = []
+  monkeypatch.setattr(gpu, "_delta_rule", lambda *a, **kw: seen.append(kw["chunk_size"]))
+  q = jnp.zeros((1, 64, 1, 128), jnp.float32)
+  beta = g = jnp.zeros((1, 64, 1), jnp.float32)
+  for dtype, log_decay in ((jnp.float32, None), (jnp.float32, g), (jnp.bfloat16, g)):
+    gpu.delta_rule(q.astype(dtype), q.astype(dtype), q.astype(dtype), beta, log_decay=log_decay, chunk_size=64)
+  gpu.delta_rule(q[..., :64], q[..., :64], q[..., :64], beta, chunk_size=64)
+  assert seen == [16, 16, 64, 64]
+
+
 def test_fuse_inter_rule():
   """`BlockSizes.fuse_inter="auto"` fuses the inter-chunk output into the state pass exactly when the chunk
   states (state dtype) would outweigh the fp32 output and the state pass fills the GPU: KDA's chunk 16 in bf16

@@ -139,6 +139,13 @@ class BlockSizes:
                 2.292 / 756 against 2.433 / 640; B=2 T=4096 H=16 K=V=256 7.016 / 3096 against 7.934 / 2031.
                 fp32 at B=4 T=4096 H=16 K=V=128, before `block_v_grad_fp32`: 30.8 ms at 16, 54.0 at 32. 64 is
                 refused: bf16 at that shape asked 238 KB of shared memory (232 KB on an H200).
+  chunk_fp32:   decay none / scalar with fp32 inputs at padded K ≥ 128: the largest chunk (64 keeps the
+                requested one). The fp32 prep's [C, K] tiles at chunk 64 cost more than the extra chunks of 16.
+                H200 DeltaNet (`check_pallas_gpu --time-dtypes fp32 --chunk C`, pallas fwd / fwd+bwd ms, one run
+                per chunk, the chunk-64 runs in another call): B=4 T=4096 H=16 K=V=128, chunk 64 2.794 / 13.967,
+                32 2.590 / 9.908, 16 2.751 / 9.798; B=2 T=2048 H=8 K=V=256, 4.520 / 9.117, 3.250 / 6.655, 1.563
+                / 4.998; GDN at K=V=128 2.922 / 10.992, 2.783 / 11.196, 2.835 / 10.634; at K=V=64 (B=2 T=1024
+                H=4) chunk 64 stays fastest (DeltaNet 0.085 / 0.341 against 0.148 / 0.377 at 16).
   chunk_channel_serial: the same when few rows run (`chunk_for`): the state passes' serial chunk loop is
                 then the critical path, and fewer chunks shorten it. H200, KDA B=1 T=32768 H=8 K=V=128
                 (profile_pallas, one run, before `scores`): chunk 16 → 32, whole forward 3.251 → 3.461 ms,
@@ -171,6 +178,7 @@ class BlockSizes:
   stages: int = 3             # same run: whole forward 0.667 → 0.531, backward 1.786 → 1.649 ms (with the two above)
   chunk_channel: int | str = "auto"
   chunk_channel_serial: int = 32
+  chunk_fp32: int = 16
   chunk_channel_forward: int = 64
   fp32_dots: str = "tf32x3"
   fp32_dots_bf16: str = "tf32"
@@ -205,6 +213,8 @@ class BlockSizes:
       raise ValueError(f"BlockSizes.chunk_channel={self.chunk_channel!r} must be 16, 32 or 'auto'")
     if self.chunk_channel_serial not in CHUNK_SIZES:
       raise ValueError(f"BlockSizes.chunk_channel_serial={self.chunk_channel_serial} must be one of {CHUNK_SIZES}")
+    if self.chunk_fp32 not in CHUNK_SIZES:
+      raise ValueError(f"BlockSizes.chunk_fp32={self.chunk_fp32} must be one of {CHUNK_SIZES}")
     if self.chunk_channel_forward not in (0, *CHUNK_SIZES):
       raise ValueError(f"BlockSizes.chunk_channel_forward={self.chunk_channel_forward} must be 0 or one of "
                        f"{CHUNK_SIZES}")
@@ -225,11 +235,13 @@ class BlockSizes:
   def chunk_for(self, decay: str, chunk: int, lanes: int = 0, vdim: int = 0, kdim: int = 0,
                 itemsize: int = 0) -> int:
     """The chunk the kernels run at for a requested `chunk` and decay ("none" | "scalar" | "channel").
-    Per-channel decay runs at `chunk_channel` ("auto": 32 for inputs of `itemsize` 2 bytes at padded K =
-    `kdim` = 128, else 16; 0: unknown), or at `chunk_channel_serial` when the state passes would run fewer
-    than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
+    Decay none and scalar run at most at `chunk_fp32` for inputs of `itemsize` 4 bytes at padded K = `kdim`
+    ≥ 128, else at `chunk`. Per-channel decay runs at `chunk_channel` ("auto": 32 for inputs of `itemsize` 2
+    bytes at padded K = 128, else 16; 0: unknown), or at `chunk_channel_serial` when the state passes would
+    run fewer than STATE_PROGRAMS programs even at BV 16 (`lanes` rows of padded width `vdim`; 0: unknown)."""
     if decay != "channel":
-      return chunk
+      wide = self.chunk_fp32 if (itemsize == 4 and kdim >= 128) else chunk
+      return min(chunk, max(wide, self.sub))
     if self.serial(lanes, vdim):
       wide = self.chunk_channel_serial
     elif self.chunk_channel == "auto":

@@ -158,22 +158,23 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
   Packed (`segment_ids` [B, T], `packed.py`): `num_segments` N must be given (static); initial_state and
   the final states are [N, HV, K, V].
-  `blocks` sets tile sizes and caps the chunk of per-channel decay under autodiff (`BlockSizes.chunk_for`: 32
-  for bf16 at K = 128, else 16, and 32 when few batch rows × value heads run); an undifferentiated per-channel
-  forward (unpacked) runs at `BlockSizes.chunk_channel_forward` (64), at most `chunk_size`; `interpret` defaults to True on a CPU backend. With bf16 inputs and
+  `blocks` sets tile sizes and caps the chunk (`BlockSizes.chunk_for`; the chunk changes rounding only): decay
+  none / scalar with fp32 inputs at K > 64 run at 16; per-channel decay under autodiff at 32 for bf16 at K =
+  128, else 16, and 32 when few batch rows × value heads run; an undifferentiated per-channel forward
+  (unpacked) runs at `BlockSizes.chunk_channel_forward` (64), at most `chunk_size`. `interpret` defaults to
+  True on a CPU backend. With bf16 inputs and
   `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ and dA takes bf16 operands
   (fp32 accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every
   dot in fp32. fp32 dots run as TF32x3 when compiled (`BlockSizes.fp32_dots`; "ieee" for exact fp32) and in
   IEEE fp32 in interpret mode.
   """
   blocks.check(chunk_size)
-  forward_chunk = 0
-  if log_decay is not None and jnp.ndim(log_decay) == 4:
-    rows = num_segments if segment_ids is not None and num_segments else q.shape[0]
-    requested = chunk_size
-    chunk_size = blocks.chunk_for("channel", chunk_size, rows * v.shape[2], padded_dim(v.shape[-1]),
-                                  padded_dim(q.shape[-1]), jnp.dtype(q.dtype).itemsize)
-    forward_chunk = blocks.forward_chunk("channel", requested, chunk_size, segment_ids is not None)
+  decay = "none" if log_decay is None else ("channel" if jnp.ndim(log_decay) == 4 else "scalar")
+  rows = num_segments if segment_ids is not None and num_segments else q.shape[0]
+  requested = chunk_size
+  chunk_size = blocks.chunk_for(decay, chunk_size, rows * v.shape[2], padded_dim(v.shape[-1]),
+                                padded_dim(q.shape[-1]), jnp.dtype(q.dtype).itemsize)
+  forward_chunk = blocks.forward_chunk(decay, requested, chunk_size, segment_ids is not None)
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
