@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="Curvature-aware (preconditioned) delta-rule linear attention in JAX and Pallas",
     packages=find_packages(include=["osdn_jax", "osdn_jax.*", "pallas_kernels", "pallas_kernels.*",
-                                    "experiments", "experiments.*"]),
+                                    "experiments", "experiments.*", "benchmarks", "benchmarks.*"]),
     python_requires=">=3.11",
     install_requires=["jax>=0.10.2", "numpy"],
     extras_require=EXTRAS,

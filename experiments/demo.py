@@ -55,14 +55,14 @@ def _median_ms(point, inputs, impl, chunk, repeats):
 
 
 def _diagnostics(point, inputs):
-  x = point.prepare(*[jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs], reference=True)
+  f64 = [jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs]
+  x = point.prepare(*f64, implementation="reference")
   online = point.solve == "online"
   kw = dict(log_decay=x["log_decay"], online=online)
   if online:
     kw["k_write"] = x["k_write"]
   _, spec = diagnostics.state_norms(x["k"] if online else x["k"], x["v"], x["beta"], **kw)
-  o, st = point(*[jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs], output_final_state=True,
-                implementation="naive")
+  o, st = point(*f64, output_final_state=True, implementation="reference")
   recall = float(jnp.mean(diagnostics.recall_residual(st["S"], x["k"], x["v"])))
   if not online:
     return "–", "–", "–", "–", float(jnp.max(spec)), recall
@@ -82,20 +82,20 @@ def main(argv):
   print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={dims.heads} HV={dims.value_heads} "
         f"K=V={dims.key_dim} chunk={c}; errors: relative RMS, chunked fp32 vs the point's token-serial fp64")
   head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'q_geo':>6} {'q_geo*':>6} "
-          f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'naive ms':>8}")
+          f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'ref ms':>8}")
   print(head + "\n" + "-" * len(head))
   for name in _POINTS.value or dgps.names():
     point = dgps.get(name)
     inputs = random_point_inputs(point, dims, seed=0, B=b, T=t)
     (o, st), g = _run_with_grads(point, inputs, "xla", jnp.float32, c)
-    (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "naive", jnp.float64, c)
+    (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "reference", jnp.float64, c)
     err_g = max(rel_rms(a, r) for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
     qg, qm, lo, hi, smax, recall = _diagnostics(point, inputs)
     axes = f"{point.decay}/{point.gain}/{point.precond}/{point.solve}"
     print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
           f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
           f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "
-          f"{_median_ms(point, inputs, 'naive', c, _REPEATS.value):8.2f}", flush=True)
+          f"{_median_ms(point, inputs, 'reference', c, _REPEATS.value):8.2f}", flush=True)
   print("q_geo: exp(mean log (1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
         f"per-step transition's eigenvalues (first {_EIG_TOKENS} tokens, decay included). max‖S‖: largest "
         "spectral norm of the state over the run. recall: mean ‖S_Tᵀk_j − v_j‖²/‖v_j‖² over all pairs. Inputs "

@@ -1,6 +1,6 @@
 """Test helpers shared by the suites of every implementation: random inputs, the comparator, tolerances.
 
-The comparator is DESIGN.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference.
+The comparator is docs/design.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# DESIGN.md §4: (rtol, atol) per quantity. bf16 references are fp64 on the same bf16-rounded inputs.
+# docs/design.md §4: (rtol, atol) per quantity. bf16 references are fp64 on the same bf16-rounded inputs.
 FP32_TOL = (1e-5, 1e-6)
 BF16_TOL = {"o": 1e-2, "S": 1e-2, "q": 1.5e-2, "k": 1.5e-2, "k_write": 1.5e-2, "v": 1.5e-2,
             "initial_state": 1.5e-2, "beta": 3e-2, "log_decay": 3e-2}

@@ -1,12 +1,13 @@
-"""Pallas kernels for the chunkwise solves, reached from `osdn_jax.ops` through `lookup` alone.
+"""Pallas kernels for the chunkwise solves and the preconditioners' first passes.
 
-A backend module (`pallas_kernels.gpu`, `pallas_kernels.tpu`) registers, per op, a function with the signature
-of the chunked XLA path (`osdn_jax.ops.chunked.delta_rule` / `linear_attention`) and a predicate saying which
-shapes and dtypes it supports. `lookup` returns that function, or None when no kernel supports the request, in
-which case `implementation="auto"` falls back to the XLA path and `implementation="pallas"` raises.
+A backend module (`pallas_kernels.gpu`; a TPU backend would sit beside it) registers, per op, a function with the
+signature of the op's XLA implementation and a predicate `supports(spec)` over the typed request
+(`pallas_kernels.spec.Spec`). `lookup(spec)` returns the first registered kernel that supports the request, or
+None: `implementation="auto"` then falls back to XLA and `implementation="pallas"` raises (`osdn_jax.ops.dispatch`,
+the one place the library reaches the kernels). Nothing here imports `osdn_jax`.
 
-The backend modules are imported lazily, on the first `lookup`: importing this package (or `osdn_jax.ops`)
-pulls in nothing beyond the standard library.
+The backends are imported lazily, on the first `lookup`: importing this package pulls in nothing beyond the
+standard library.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-_BACKENDS = ("pallas_kernels.gpu", "pallas_kernels.tpu")
+from pallas_kernels.spec import Spec
+
+_BACKENDS = ("pallas_kernels.gpu",)
 _loaded = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  fn: Callable[..., Any]            # same signature and results as the chunked XLA function of the op
-  supports: Callable[..., bool]     # supports(spec, dtype, chunk_size, platform) -> bool
+  name: str                           # "gpu.delta_rule", for messages
+  fn: Callable[..., Any]              # the op's signature and results
+  supports: Callable[[Spec], bool]    # whether fn handles the request
 
 
 _REGISTRY: dict[str, list[Kernel]] = {}
@@ -45,11 +49,15 @@ def _load_backends() -> None:
   _loaded = True
 
 
-def lookup(op: str, spec, dtype, chunk_size: int, platform: str) -> Callable[..., Any] | None:
-  """The first registered kernel for `op` ("delta_rule" | "linear_attention" | "osdn_d_pass" | "decayed_sum" |
-  "precond_key") that supports the request."""
+def kernels(op: str) -> list[Kernel]:
+  """Every kernel registered for `op`, in registration order."""
   _load_backends()
-  for kernel in _REGISTRY.get(op, ()):
-    if kernel.supports(spec, dtype, chunk_size, platform):
+  return list(_REGISTRY.get(op, ()))
+
+
+def lookup(spec: Spec) -> Callable[..., Any] | None:
+  """The first registered kernel for `spec.op` that supports the request, or None."""
+  for kernel in kernels(spec.op):
+    if kernel.supports(spec):
       return kernel.fn
   return None

@@ -65,16 +65,16 @@ def test_osdn_chunked_equals_sequential(anchor, learned_r):
   beta = g["beta"].at[:, ::9].set(0.0)                 # β = 0 tokens: the chunked form must stay finite
   r = g["retention"].at[:, 5].set(0.0) if learned_r else None   # and r = 0 (full forgetting)
 
-  def run(method):
+  def run(impl):
     def fn(k, beta, r, d0):
       return precond.osdn_write_key(k, beta, retention=r, eta=0.8, d_init=0.9, d_min=None, d_max=None,
-                                    apf_anchor=anchor, initial_state=d0, method=method, chunk_size=16)
+                                    apf_anchor=anchor, initial_state=d0, implementation=impl, chunk_size=16)
     return fn
 
   args = (g["k"], beta, r, g["d0"]) if learned_r else (g["k"], beta, g["d0"])
   wrap = (lambda f: f) if learned_r else (lambda f: lambda k, b, d0: f(k, b, None, d0))
-  fast = _grads(wrap(run("chunked")), args)
-  ref = _grads(wrap(run("sequential")), args)
+  fast = _grads(wrap(run("xla")), args)            # unclipped and unpacked: the exact chunked form
+  ref = _grads(wrap(run("reference")), args)
   _assert_same(fast, ref, 1e-11)
   jax.tree.map(lambda x: np.testing.assert_(np.all(np.isfinite(np.asarray(x)))), fast)
 
@@ -115,12 +115,12 @@ def test_pdn_with_x_one_is_the_backbone(decay):
   np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
 
 
-@pytest.mark.parametrize("method", ["sequential", "chunked"])
-def test_osdn_without_learning_is_deltanet(method):
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_osdn_without_learning_is_deltanet(impl):
   p = random_problem(6, T=40, H=2, HV=4, decay="scalar")
   a = p.arrays(jnp.float64, jnp.float64, jnp.float64)
   k_write, d = precond.osdn_write_key(a["k"], a["beta"], eta=0.0, d_init=1.0, guard=None, d_min=None,
-                                      d_max=None, method=method, chunk_size=16)
+                                      d_max=None, implementation=impl, chunk_size=16)
   np.testing.assert_allclose(np.asarray(k_write), np.repeat(np.asarray(a["k"]), 2, axis=2), rtol=0, atol=1e-15)
   np.testing.assert_allclose(np.asarray(d), 1.0, rtol=0, atol=1e-15)
 

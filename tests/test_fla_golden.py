@@ -8,7 +8,7 @@ chunk_precond_gated_delta_rule (PGDN): outputs, final state S and final second m
 chunk_kda: outputs, final state and every input gradient (per-channel decay g included).
 chunk_precond_kda (PKDA): outputs, S, A and every input gradient, the preconditioner's gates and its initial
 second moment included (generated with `--one-config`: FLA's first autotuning config only).
-The differences are FLA's bf16/TF32 arithmetic: compared at DESIGN.md §4's bf16 tolerances.
+The differences are FLA's bf16/TF32 arithmetic: compared at docs/design.md §4's bf16 tolerances.
 """
 import os
 

@@ -1,11 +1,46 @@
+"""Imports run one way (experiments → training → models → layers → dgps/diagnostics → ops → kernels) and stay
+light: the core ops import only jax and numpy (and the kernels' standard-library contract module), no kernel
+backend; nothing in the kernel package imports the library."""
+import ast
+import os
 import subprocess
 import sys
 
-HEAVY = ("flax", "optax", "grain", "orbax", "absl", "chex", "torch", "hypothesis", "pallas_kernels")
+HEAVY = ("flax", "optax", "grain", "orbax", "absl", "chex", "torch", "hypothesis")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_ops_import_only_jax_and_numpy():
-  code = ("import sys, osdn_jax.ops, osdn_jax.diagnostics; "
-          f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
+  code = ("import sys, osdn_jax.ops, osdn_jax.diagnostics, osdn_jax.dgps; "
+          f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})), "
+          "sorted(m for m in sys.modules if m.startswith(('pallas_kernels.gpu', 'jax.experimental.pallas'))), "
+          "sorted(m for m in sys.modules if m.startswith('pallas_kernels')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-  assert out.strip() == "[]", out
+  assert out.strip() == "[] [] ['pallas_kernels', 'pallas_kernels.spec']", out
+
+
+def _imports(package):
+  """(file, imported module) for every import statement under `package`."""
+  for folder, _, files in os.walk(os.path.join(ROOT, package)):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        for node in ast.walk(ast.parse(open(path).read())):
+          if isinstance(node, ast.Import):
+            yield from ((path, a.name) for a in node.names)
+          elif isinstance(node, ast.ImportFrom) and node.module:
+            yield path, node.module
+
+
+def test_the_kernels_do_not_import_the_library():
+  bad = [(os.path.relpath(p, ROOT), m) for p, m in _imports("pallas_kernels") if m.split(".")[0] == "osdn_jax"]
+  assert not bad, bad
+
+
+def test_the_library_reaches_the_kernels_through_their_contract_and_dispatch():
+  """Only the request spec and the contract constants are imported from `pallas_kernels` outside the dispatch;
+  kernel backends are never imported by the library."""
+  allowed = {"pallas_kernels.spec"}
+  bad = [(os.path.relpath(p, ROOT), m) for p, m in _imports("osdn_jax")
+         if m.startswith("pallas_kernels") and m not in allowed and not p.endswith(os.path.join("ops", "dispatch.py"))]
+  assert not bad, bad

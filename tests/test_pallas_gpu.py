@@ -1,10 +1,11 @@
 """The Pallas GPU delta-rule kernels in interpret mode on CPU: outputs, final states and every input gradient
-against the chunked XLA path and the fp64 token-serial oracle (DESIGN.md §4 tolerances); poisoned outputs;
+against the chunked XLA path and the fp64 token-serial oracle (docs/design.md §4 tolerances); poisoned outputs;
 dispatch; and (where the installed jaxlib can) lowering to Triton IR without TF32 dots.
 
 Interpret mode is slow: small shapes, and each test case combines several features.
 """
 import contextlib
+import dataclasses
 import re
 
 import jax
@@ -19,20 +20,20 @@ from osdn_jax import ops
 from osdn_jax.ops import checks, chunked, naive
 from osdn_jax.testing import FP32_TOL, assert_trees_close, close, random_problem, rel_rms, vjp_all
 from pallas_kernels.gpu import delta_rule as gpu
-from pallas_kernels.gpu import delta_rule_fwd, layout
-from pallas_kernels.gpu.chunk_cumsum import chunk_cumsum
-from pallas_kernels.gpu.config import BlockSizes
+from pallas_kernels.gpu.delta_rule import layout, output, prep, scores, state_fwd
+from pallas_kernels.gpu.delta_rule.chunk_cumsum import chunk_cumsum
+from pallas_kernels.gpu.delta_rule.config import DEFAULT
+from pallas_kernels.spec import Spec
 
 DECAYS = ("none", "scalar", "channel")
-# (T, chunk, H, HV, k_write, initial state, also against XLA, blocks): odd T with GVA, asymmetric value-head
+# (T, chunk, H, HV, k_write, initial state, also against XLA, config): odd T with GVA, asymmetric value-head
 # write keys and a state; T a multiple of the chunk with shared keys, no state, V split over two blocks in
-# every kernel and the forward's T formed by its own kernel (split_prep); the inter-chunk output formed by the
-# state pass (fuse_inter) with key-head write keys, GVA and an output V block smaller than V. (The bf16 cases
-# add key-head write keys with GVA.)
-_SPLIT_V = BlockSizes(block_v_state=16, block_v_out=16, block_v_grad=16, block_v_grad_fp32=16, split_prep=True)
-VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, BlockSizes()),
+# every kernel; the inter-chunk output formed by the state pass (fuse_inter) with key-head write keys, GVA and
+# an output V block smaller than V. (The bf16 cases add key-head write keys with GVA.)
+_SPLIT_V = DEFAULT.override(state__block_v=16, output__block_v=16, grads__block_v=16, grads__block_v_fp32=16)
+VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, DEFAULT),
             "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V),
-            "fused-inter": (45, 16, 2, 4, "key", True, False, BlockSizes(fuse_inter=True, block_v_out=16))}
+            "fused-inter": (45, 16, 2, 4, "key", True, False, DEFAULT.override(state__fuse_inter=True, output__block_v=16))}
 
 
 @pytest.fixture(autouse=True)
@@ -69,9 +70,9 @@ def _compare(problem, dtype, chunk, *, xla=True, **kw):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("decay", DECAYS)
 def test_fp32(decay, variant):
-  t, chunk, h, hv, kw, s0, xla, blocks = VARIANTS[variant]
+  t, chunk, h, hv, kw, s0, xla, config = VARIANTS[variant]
   p = random_problem(t + hv, B=1, T=t, H=h, HV=hv, K=16, V=32, decay=decay, k_write=kw, initial_state=s0)
-  _compare(p, jnp.float32, chunk, xla=xla, blocks=blocks)
+  _compare(p, jnp.float32, chunk, xla=xla, config=config)
 
 
 @pytest.mark.parametrize("decay", DECAYS)
@@ -132,29 +133,30 @@ def test_padded_dims_chunk64():
   16-column programs of grads_state and grads_pairs)."""
   p = random_problem(9, B=2, T=70, H=1, HV=2, K=20, V=24, decay="channel", k_write="value")
   _compare(p, jnp.float32, 64, xla=False,
-           blocks=BlockSizes(block_v_state=16, block_v_out=16, block_k_grad=16))
+           config=DEFAULT.override(state__block_v=16, output__block_v=16, grads__block_k=16))
 
 
 @pytest.mark.parametrize("decay", DECAYS)
 def test_split_k(decay):
   """K = 32 in 16-column pieces: grads_state's K grid and scalar dG partial sums, grads_intra's K loops
   (none / scalar), grads_pairs' loop over K chunks inside one 32-column program (per channel), the K chunks
-  of the per-channel diagonal sub-blocks; V loops of two 16-column steps; the forward state pass's state in two
-  16-row pieces (fused inter-chunk output with decay)."""
+  of the per-channel diagonal sub-blocks; V loops of two 16-column steps; with decay the inter-chunk output
+  formed by the state pass."""
   p = random_problem(14, B=1, T=40, H=1, HV=2, K=32, V=32, decay=decay, k_write="key", initial_state=True)
-  blocks = BlockSizes(block_k_grad=32 if decay == "channel" else 16, block_k_diag=16, block_k_pairs=16,
-                      block_v_grad=16, block_v_grad_fp32=16, state_k_piece=16, fuse_inter=decay != "none")
-  _compare(p, jnp.float32, 16, blocks=blocks)
+  config = DEFAULT.override(grads__block_k=32 if decay == "channel" else 16, diagonal__block_k=16,
+                            grads__block_k_pairs=16, grads__block_v=16, grads__block_v_fp32=16,
+                            state__fuse_inter=decay != "none")
+  _compare(p, jnp.float32, 16, config=config)
 
 
 def test_predecay():
-  """Per-channel decay with and without `BlockSizes.predecay` (the state passes read K̃ ⊙ e^{G_C − G} and
+  """Per-channel decay with and without `State.predecay` (the state passes read K̃ ⊙ e^{G_C − G} and
   Q ⊙ e^G formed by `decayed_tiles`, or scale K̃ and Q themselves): without it against the oracle and the XLA
   path (GVA, odd T, a state, asymmetric keys; "auto" picks predecay at this size, so the other per-channel
   tests cover that path), and the two paths equal (the same bf16 operands, formed in another kernel)."""
   p = random_problem(18, B=2, T=45, H=1, HV=2, K=32, V=16, decay="channel", k_write="value", initial_state=True)
-  _compare(p, jnp.float32, 16, blocks=BlockSizes(predecay=False))
-  got, want = (vjp_all(_fn(gpu, chunk_size=16, blocks=BlockSizes(predecay=pre)), p.arrays(jnp.bfloat16))
+  _compare(p, jnp.float32, 16, config=DEFAULT.override(state__predecay=False))
+  got, want = (vjp_all(_fn(gpu, chunk_size=16, config=DEFAULT.override(state__predecay=pre)), p.arrays(jnp.bfloat16))
                for pre in (True, False))
   assert set(got) == set(want)
   for name in got:
@@ -163,11 +165,11 @@ def test_predecay():
 
 
 def test_channel_two_sub_blocks():
-  """Per-channel decay at chunk 32 (BlockSizes.chunk_channel; "auto" picks it at K = 128): two 16-row
+  """Per-channel decay at chunk 32 (`Chunks.channel`; the tuned table picks it at K = 128): two 16-row
   sub-blocks, factored off-diagonal and (decays allowing) factored diagonal blocks, odd T, GVA, asymmetric keys
   and a state."""
   p = random_problem(15, B=1, T=45, H=1, HV=2, K=16, V=16, decay="channel", k_write="value", initial_state=True)
-  _compare(p, jnp.float32, 32, blocks=BlockSizes(chunk_channel=32))
+  _compare(p, jnp.float32, 32, config=DEFAULT.override(chunks__channel=32))
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
@@ -175,18 +177,18 @@ def test_channel_two_sub_blocks():
 def test_extreme_gates(factor_diag, chunk):
   """Strong per-channel decays with values far below the −30 clamp, and β = 0 and β = 1 rows. With
   factor_diag the first chunk's diagonal blocks are too steep to factor (pairwise) and the others factor.
-  Chunk 32 is what one row runs at (`chunk_channel_serial`): two sub-blocks with off-diagonal blocks."""
+  Chunk 32 is what one row runs at (`Chunks.channel_serial`): two sub-blocks with off-diagonal blocks."""
   p = random_problem(10, B=1, T=40, H=1, HV=1, K=16, V=16, decay="channel", k_write="key", decay_bias=-3.0)
   p.log_decay[:, 5:9] = -100.0
   p.beta[:, 12:14] = 0.0
   p.beta[:, 20:22] = 1.0
-  got = vjp_all(_fn(gpu, chunk_size=chunk, blocks=BlockSizes(factor_diag=factor_diag)), p.arrays(jnp.float32))
+  got = vjp_all(_fn(gpu, chunk_size=chunk, config=DEFAULT.override(diagonal__factor=factor_diag)), p.arrays(jnp.float32))
   want = vjp_all(_fn(chunked, chunk_size=16), p.arrays(jnp.float32))
   assert_trees_close(got, want, jnp.float32)
 
 
 def test_scores_first():
-  """Per-channel decay at chunk 32 (what `chunk_for` picks for one row of two value heads) forms the Gram and
+  """Per-channel decay at chunk 32 (what `heuristics.chunk` picks for one row of two value heads) forms the Gram and
   the output scores in `scores` first (`Static.scores_first`), also under autodiff, and not at chunk 16: outputs,
   final states and every gradient against the oracle and the XLA path; GVA, odd T, value-head write keys, a
   state, two K steps in `scores`. (Chunks 32 and 64 with steep decays, β = 0 / 1: test_extreme_gates,
@@ -194,29 +196,29 @@ def test_scores_first():
   p = random_problem(22, B=1, T=45, H=1, HV=2, K=32, V=16, decay="channel", k_write="value", initial_state=True,
                      decay_bias=0.0)
   a = p.arrays(jnp.float32)
-  blocks = BlockSizes(block_k_scores=16)
-  grads = lambda chunk: lambda a: vjp_all(_fn(gpu, chunk_size=chunk, blocks=blocks), a)
+  config = DEFAULT.override(scores__block_k=16)
+  grads = lambda chunk: lambda a: vjp_all(_fn(gpu, chunk_size=chunk, config=config), a)
   assert "scores" in _kernel_names(grads(64), a)
   assert "scores" not in _kernel_names(grads(16), a)
-  _compare(p, jnp.float32, 64, blocks=blocks)
+  _compare(p, jnp.float32, 64, config=config)
 
 
-# (seed, B, T, H, HV, K, k_write, initial state, blocks): odd T with GVA, value-head write keys, a state and two
+# (seed, B, T, H, HV, K, k_write, initial state, config): odd T with GVA, value-head write keys, a state and two
 # K steps in `scores`; strong decays (some diagonal blocks too steep to factor, pairwise), β = 0 / 1.
-# chunk_channel_serial=16: under autodiff these few rows run at chunk 16, without `scores`.
-# "no-tiles": prep, output and the state pass forming the decayed operands themselves (`scores_tiles=False`).
-WIDE = {"gva-asym-odd": (22, 1, 45, 1, 2, 32, "value", True, BlockSizes(block_k_scores=16, chunk_channel_serial=16)),
-        "steep": (23, 2, 100, 1, 1, 16, "key", False, BlockSizes(chunk_channel_serial=16)),
+# chunks__channel_serial=16: under autodiff these few rows run at chunk 16, without `scores`.
+# "no-tiles": prep, output and the state pass forming the decayed operands themselves (`scores__tiles=False`).
+WIDE = {"gva-asym-odd": (22, 1, 45, 1, 2, 32, "value", True, DEFAULT.override(scores__block_k=16, chunks__channel_serial=16)),
+        "steep": (23, 2, 100, 1, 1, 16, "key", False, DEFAULT.override(chunks__channel_serial=16)),
         "no-tiles": (25, 1, 45, 1, 2, 32, "value", True,
-                     BlockSizes(block_k_scores=16, chunk_channel_serial=16, scores_tiles=False))}
+                     DEFAULT.override(scores__block_k=16, chunks__channel_serial=16, scores__tiles=False))}
 
 
 @pytest.mark.parametrize("case", WIDE)
 def test_wide_forward(case):
-  """A per-channel forward that is not differentiated runs at `chunk_channel_forward` (64: four sub-blocks,
+  """A per-channel forward that is not differentiated runs at `Chunks.channel_forward` (64: four sub-blocks,
   `scores` first): outputs and final states against the fp64 oracle and the XLA path; under autodiff the same
-  call runs at `chunk_for`'s chunk (16 here: no `scores`)."""
-  seed, b, t, h, hv, kd, kw, s0, blocks = WIDE[case]
+  call runs at `heuristics.chunk`'s chunk (16 here: no `scores`)."""
+  seed, b, t, h, hv, kd, kw, s0, config = WIDE[case]
   p = random_problem(seed, B=b, T=t, H=h, HV=hv, K=kd, V=16, decay="channel", k_write=kw, initial_state=s0,
                      decay_bias=-3.0 if case == "steep" else 0.0)
   if case == "steep":
@@ -226,29 +228,14 @@ def test_wide_forward(case):
     p.beta[:, 20:22] = 1.0
   a = p.arrays(jnp.float32)
   run = lambda impl, **kw: dict(zip("oS", impl(**a, **kw)))
-  fwd = lambda **arrays: _fn(gpu, blocks=blocks)(**arrays)
+  fwd = lambda **arrays: _fn(gpu, config=config)(**arrays)
   names = _kernel_names(lambda a: fwd(**a), a)
-  assert "scores" in names and ("decayed_tiles" in names) == (not blocks.scores_tiles)
+  assert "scores" in names and ("decayed_tiles" in names) == (not config.scores.tiles)
   assert "scores" not in _kernel_names(lambda a: jax.vjp(lambda q: fwd(**dict(a, q=q)), a["q"])[0], a)
   got = run(jax.jit(fwd))
   want = dict(zip("oS", _fn(naive)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
   assert_trees_close(got, want, jnp.float32)
   assert_trees_close(got, run(_fn(chunked, chunk_size=16)), jnp.float32)
-
-
-def test_forward_chunk_rule():
-  """`BlockSizes.forward_chunk`: per-channel and unpacked, `chunk_channel_forward` (at most the requested chunk)
-  when wider than `chunk_for`'s; else 0."""
-  b = BlockSizes()
-  assert b.forward_chunk("channel", 64, 32, False) == 64
-  assert b.forward_chunk("channel", 64, 16, False) == 64
-  assert b.forward_chunk("channel", 32, 16, False) == 32
-  assert b.forward_chunk("channel", 64, 32, True) == 0            # packed
-  assert b.forward_chunk("scalar", 64, 64, False) == 0
-  assert b.forward_chunk("channel", 16, 16, False) == 0
-  assert BlockSizes(chunk_channel_forward=0).forward_chunk("channel", 64, 32, False) == 0
-  with pytest.raises(ValueError, match="chunk_channel_forward"):
-    BlockSizes(chunk_channel_forward=48)
 
 
 def test_scores_kernel():
@@ -265,11 +252,11 @@ def test_scores_kernel():
   g[:, 70:74] = -30.0                                          # chunk 1: steep diagonal blocks
   G = np.cumsum(g.reshape(b, t // c, c, hv, kd), axis=2).reshape(b, t, hv, kd)
   st = layout.Static(batch=b, length=t, heads=hv, value_heads=hv, kw_heads=hv, key_dim=kd, value_dim=16, chunk=c,
-                     decay="channel", scale=1.0, same_keys=False, blocks=BlockSizes(block_k_scores=16),
+                     decay="channel", scale=1.0, same_keys=False, config=DEFAULT.override(scores__block_k=16),
                      interpret=True)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  A, P = delta_rule_fwd.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G))
-  A2, P2, kd_, qd_, kwd_, gc_ = delta_rule_fwd.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G), tiles=True)
+  A, P = scores.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G))
+  A2, P2, kd_, qd_, kwd_, gc_ = scores.scores(st, f32(q), f32(k), f32(kw), f32(beta), f32(G), tiles=True)
   np.testing.assert_array_equal(A2, A)
   np.testing.assert_array_equal(P2, P)
   Gc = G.reshape(b, t // c, c, hv, kd)
@@ -310,15 +297,18 @@ def test_dispatch():
   """implementation="pallas" reaches these kernels (interpret mode on CPU); unsupported requests do not."""
   p = random_problem(12, B=1, T=20, H=2, HV=2, K=16, V=16, decay="channel")
   q, k, v, beta = (p.arrays(jnp.float32)[n] for n in ("q", "k", "v", "beta"))
-  spec = checks.check_solve("delta_rule", q, k, v, beta=beta)
-  assert pallas_kernels.lookup("delta_rule", spec, jnp.float32, 16, "cpu") is gpu.delta_rule
-  assert pallas_kernels.lookup("delta_rule", spec, jnp.bfloat16, 64, "gpu") is gpu.delta_rule
-  assert pallas_kernels.lookup("delta_rule", spec, jnp.float64, 16, "cpu") is None
-  assert pallas_kernels.lookup("delta_rule", spec, jnp.float16, 16, "gpu") is None
-  assert pallas_kernels.lookup("delta_rule", spec, jnp.float32, 16, "tpu") is None
+  spec = checks.check_solve("delta_rule", q, k, v, beta=beta, chunk_size=16)
+  assert spec == Spec("delta_rule", "cpu", "float32", key_dim=16, value_dim=16, batch=1, length=20, heads=2,
+                      value_heads=2, decay="none", chunk_size=16, num_segments=1)
+  lookup = lambda **kw: pallas_kernels.lookup(dataclasses.replace(spec, **kw))
+  assert lookup() is gpu.delta_rule and lookup(platform="gpu", dtype="bfloat16", chunk_size=64) is gpu.delta_rule
+  assert lookup(op="linear_attention") is gpu.linear_attention
+  assert lookup(dtype="float64") is None and lookup(platform="gpu", dtype="float16") is None
+  assert lookup(platform="tpu") is None and lookup(chunk_size=24) is None and lookup(length=None) is None
+  assert lookup(packed=True, num_segments=None) is None and lookup(packed=True, num_segments=3) is gpu.delta_rule
   wide = np.zeros((1, 4, 1, 512), np.float32)
   big = checks.check_solve("delta_rule", wide, wide, wide, beta=np.zeros((1, 4, 1), np.float32))
-  assert pallas_kernels.lookup("delta_rule", big, jnp.float32, 16, "gpu") is None
+  assert pallas_kernels.lookup(dataclasses.replace(big, platform="gpu")) is None
   o, s = ops.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], output_final_state=True,
                         chunk_size=16, implementation="pallas")
   o2, s2 = chunked.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], chunk_size=16)
@@ -341,107 +331,6 @@ def test_bad_input_errors():
     gpu.delta_rule(np.zeros((1, 8, 1, 512), np.float32), np.zeros((1, 8, 1, 512), np.float32), v, beta)
   with pytest.raises(ValueError, match="chunk_size=24"):
     gpu.delta_rule(q, q, v, beta, chunk_size=24)
-  with pytest.raises(ValueError, match="fp32_dots"):
-    BlockSizes(fp32_dots="bf16")
-  with pytest.raises(ValueError, match="fp32_dots_bf16"):
-    BlockSizes(fp32_dots_bf16="tf16")
-
-
-def test_state_pass_block_v():
-  """The state passes' V block: capped by the [K, BV] state tile, then halved (to 16 at least) while fewer than
-  `STATE_PROGRAMS` programs would run; packed calls count segments, not batch rows."""
-  from pallas_kernels.gpu import layout
-  b = BlockSizes()                                           # block_v_state = 64
-  assert b.v_block("state", 128, 128) == 64 and b.v_block("state", 128, 256) == 32
-  assert b.v_block("state", 128, 128, lanes=64) == 64        # B=4, HV=16: 128 programs
-  assert b.v_block("state", 128, 128, lanes=32) == 32        # 128 programs
-  assert b.v_block("state", 128, 128, lanes=8) == 16         # B=1, HV=8: 64 programs, the floor
-  assert b.v_block("out", 128, 128, lanes=1) == 128          # other kernels keep theirs
-  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
-                                           value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True,
-                                           blocks=b, interpret=True, low_precision=True), **kw})
-  assert st().state_block_v == 16 and st(batch=8).state_block_v == 64
-  assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
-  # one stage with fp32 intermediates (an H200's shared memory at K = V = 128) and with K or V above 128
-  assert st(low_precision=False).stages == 1 == st(low_precision=False).state_stages
-  assert st(key_dim=256).stages == 1 == st(value_dim=256).stages and st(key_dim=64).stages == b.stages == 3
-
-
-def test_fp32_prep_warps():
-  """prep, `inverse` and `wu` run `warps_prep_fp32` warps whenever the intermediates are fp32, for every decay and
-  T source; with bf16 intermediates each keeps its own field. Fewer than 4 is refused (a Triton miscompile)."""
-  from pallas_kernels.gpu import delta_rule_fwd, layout
-  b = BlockSizes(warps_prep=2, warps_prep_channel=4, warps_prep_scores=16, warps_prep_fp32=32)
-  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
-                                           value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True,
-                                           blocks=b, interpret=True, low_precision=True), **kw})
-  for decay in ("none", "scalar", "channel"):
-    for source in ("gram", "a", "t"):
-      assert delta_rule_fwd._prep_warps(st(decay=decay, low_precision=False), source) == 32
-  assert delta_rule_fwd._prep_warps(st(), "gram") == 2 == delta_rule_fwd._prep_warps(st(decay="scalar"), "t")
-  assert delta_rule_fwd._prep_warps(st(decay="channel"), "gram") == 4
-  assert delta_rule_fwd._prep_warps(st(decay="channel"), "a") == 16
-  assert BlockSizes().warps_prep_fp32 == 8 and BlockSizes(warps_prep_fp32=4).warps_prep_fp32 == 4
-  with pytest.raises(ValueError, match="warps_prep_fp32"):
-    BlockSizes(warps_prep_fp32=2)
-
-
-def test_fp32_grad_block_v():
-  """`grads_state` and `grads_intra` step V by `block_v_grad_fp32` with fp32 intermediates, by `block_v_grad`
-  otherwise, both clamped to the padded V."""
-  from pallas_kernels.gpu import layout
-  b = BlockSizes(block_v_grad=64, block_v_grad_fp32=16)
-  st = lambda **kw: layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
-                                           value_dim=128, chunk=16, decay="channel", scale=1.0, same_keys=True,
-                                           blocks=b, interpret=True, low_precision=True), **kw})
-  assert st().grad_block_v == 64 and st(low_precision=False).grad_block_v == 16
-  assert st(value_dim=32).grad_block_v == 32 and st(blocks=BlockSizes()).grad_block_v == 128
-  assert st(blocks=BlockSizes(), low_precision=False).grad_block_v == 32
-  # the V-split cases of test_fp32 and test_split_k do step V twice in fp32
-  assert st(blocks=_SPLIT_V, low_precision=False, value_dim=32).grad_block_v == 16
-  with pytest.raises(ValueError, match="block_v_grad_fp32"):
-    BlockSizes(block_v_grad_fp32=8)
-
-
-def test_fp32_chunk_rule(monkeypatch):
-  """Decay none / scalar with fp32 inputs at padded K ≥ 128 run at most at `chunk_fp32` (16), never above the
-  requested chunk nor below `sub`; bf16, K ≤ 64 and per-channel decay keep their own rules; `delta_rule`
-  passes the chosen chunk to the kernels for every decay."""
-  b = BlockSizes()
-  for decay in ("none", "scalar"):
-    assert [b.chunk_for(decay, 64, kdim=kd, itemsize=4) for kd in (16, 64, 128, 256)] == [64, 64, 16, 16]
-    assert b.chunk_for(decay, 64, kdim=128, itemsize=2) == 64 and b.chunk_for(decay, 32, kdim=256, itemsize=4) == 16
-  assert BlockSizes(sub=32).chunk_for("none", 64, kdim=128, itemsize=4) == 32
-  assert BlockSizes(chunk_fp32=64).chunk_for("scalar", 64, kdim=256, itemsize=4) == 64
-  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 32     # its own rule
-  with pytest.raises(ValueError, match="chunk_fp32"):
-    BlockSizes(chunk_fp32=8)
-  seen = []
-  monkeypatch.setattr(gpu, "_delta_rule", lambda *a, **kw: seen.append(kw["chunk_size"]))
-  q = jnp.zeros((1, 64, 1, 128), jnp.float32)
-  beta = g = jnp.zeros((1, 64, 1), jnp.float32)
-  for dtype, log_decay in ((jnp.float32, None), (jnp.float32, g), (jnp.bfloat16, g)):
-    gpu.delta_rule(q.astype(dtype), q.astype(dtype), q.astype(dtype), beta, log_decay=log_decay, chunk_size=64)
-  gpu.delta_rule(q[..., :64], q[..., :64], q[..., :64], beta, chunk_size=64)
-  assert seen == [16, 16, 64, 64]
-
-
-def test_fuse_inter_rule():
-  """`BlockSizes.fuse_inter="auto"` fuses the inter-chunk output into the state pass exactly when the chunk
-  states (state dtype) would outweigh the fp32 output and the state pass fills the GPU: KDA's chunk 16 in bf16
-  at B=8 HV=8, not DeltaNet's chunk 64, not with one batch row."""
-  from pallas_kernels.gpu import layout
-  st = lambda blocks=BlockSizes(), **kw: layout.Static(**{**dict(
-      batch=8, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128, value_dim=128, chunk=64, decay="none",
-      scale=1.0, same_keys=True, blocks=blocks, interpret=True, low_precision=True), **kw})
-  assert not st().fuse_inter and st(chunk=16, decay="channel").fuse_inter
-  assert not st(chunk=16, batch=1).fuse_inter and st(chunk=16, batch=1, segments=8).fuse_inter
-  assert not st(chunk=16, key_dim=32).fuse_inter and st(chunk=16, key_dim=64).fuse_inter
-  assert st(low_precision=False).fuse_inter and not st(low_precision=False, key_dim=64).fuse_inter
-  assert st(BlockSizes(fuse_inter=True), batch=1).fuse_inter
-  assert not st(BlockSizes(fuse_inter=False), chunk=16).fuse_inter
-  with pytest.raises(ValueError, match="fuse_inter"):
-    BlockSizes(fuse_inter="yes")
 
 
 @pytest.mark.parametrize("chunk, kd, dtype", [(16, 16, "float32"), (64, 256, "float32"), (32, 32, "bfloat16")])
@@ -486,7 +375,7 @@ def test_log_decay_dtypes():
 
 def test_scalar_chunk_cumsum():
   """The wrapper's scalar-decay in-chunk cumsum and its transpose equal jnp.cumsum's per chunk."""
-  from pallas_kernels.gpu.delta_rule import _chunk_cumsum
+  from pallas_kernels.gpu.delta_rule.api import _chunk_cumsum
   rng = np.random.default_rng(3)
   g, w = (jnp.asarray(rng.normal(size=(2, 48, 3)), jnp.float32) for _ in range(2))
   ref = lambda g: jnp.cumsum(g.reshape(2, 3, 16, 3), axis=2).reshape(g.shape)
@@ -495,65 +384,10 @@ def test_scalar_chunk_cumsum():
   np.testing.assert_allclose(grad(lambda g: _chunk_cumsum(g, 16)), grad(ref), rtol=1e-6, atol=1e-6)
 
 
-def test_predecay_rule():
-  """`BlockSizes.predecay="auto"` pre-decays the state passes' tiles exactly for per-channel decay when those
-  passes run fewer than STATE_PROGRAMS programs at BV 16: the long benchmark shape (B=1, HV=8), not the main
-  one (B=4, HV=16); never without per-channel decay; True / False as given."""
-  from pallas_kernels.gpu import layout
-  st = lambda blocks=BlockSizes(), **kw: layout.Static(**{**dict(
-      batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128, value_dim=128, chunk=32,
-      decay="channel", scale=1.0, same_keys=True, blocks=blocks, interpret=True, low_precision=True), **kw})
-  assert st().predecay and not st(batch=4, heads=16, value_heads=16, kw_heads=16).predecay
-  assert not st(decay="scalar").predecay and not st(segments=16).predecay and st(value_dim=64, batch=2).predecay
-  assert st(BlockSizes(predecay=True), batch=8).predecay and not st(BlockSizes(predecay=False)).predecay
-  assert not st(BlockSizes(predecay=True), decay="none").predecay
-  with pytest.raises(ValueError, match="predecay"):
-    BlockSizes(predecay="yes")
-
-
-def test_channel_chunk_rule():
-  """Per-channel decay runs at `chunk_channel` ("auto": 32 for bf16 at padded K = 128, else 16), or at
-  `chunk_channel_serial` (32) when even BV = 16 would leave the state passes under STATE_PROGRAMS programs;
-  never above the requested chunk; other decays keep it. chunk_channel 64 is refused (shared memory)."""
-  b = BlockSizes()
-  assert b.chunk_for("channel", 64) == 16 and b.chunk_for("channel", 64, lanes=64, vdim=128) == 16
-  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 32
-  assert b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=4) == 16
-  assert [b.chunk_for("channel", 64, lanes=64, vdim=128, kdim=kd, itemsize=2) for kd in (16, 32, 64, 256)] == [16] * 4
-  assert b.chunk_for("channel", 16, lanes=64, vdim=128, kdim=128, itemsize=2) == 16
-  assert b.chunk_for("channel", 64, lanes=8, vdim=128) == 32 and b.chunk_for("channel", 16, lanes=8, vdim=128) == 16
-  assert b.chunk_for("channel", 64, lanes=16, vdim=128, kdim=64) == 16          # 128 programs at BV 16
-  assert b.chunk_for("scalar", 64, lanes=1, vdim=16) == 64
-  assert BlockSizes(chunk_channel_serial=16).chunk_for("channel", 64, lanes=1, vdim=16) == 16
-  assert BlockSizes(chunk_channel=16).chunk_for("channel", 64, lanes=64, vdim=128, kdim=128, itemsize=2) == 16
-  assert BlockSizes(chunk_channel=32).chunk_for("channel", 64, lanes=64, vdim=64, kdim=64) == 32
-  with pytest.raises(ValueError, match="chunk_channel_serial"):
-    BlockSizes(chunk_channel_serial=8)
-  with pytest.raises(ValueError, match="chunk_channel="):
-    BlockSizes(chunk_channel=64)
-
-
-def test_channel_chunk_rule_sees_the_rows(monkeypatch):
-  """`delta_rule` hands the chunk rule batch rows × value heads (packed: segments × value heads), the padded
-  V, the padded K and the inputs' itemsize (traced only: jax.eval_shape)."""
-  from pallas_kernels.gpu import config
-  seen = []
-  rule = config.BlockSizes.chunk_for
-  monkeypatch.setattr(config.BlockSizes, "chunk_for", lambda self, *a: seen.append(a) or rule(self, *a))
-  p = random_problem(3, B=2, T=40, H=2, HV=4, K=16, V=24, decay="channel", k_write="key")
-  a = p.arrays(jnp.float32)
-  ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
-  run = lambda **kw: jax.eval_shape(lambda a: gpu.delta_rule(
-      a["q"], a["k"], a["v"], a["beta"], k_write=a["k_write"], log_decay=a["log_decay"], **kw), a)
-  run()
-  run(segment_ids=ids, num_segments=5)
-  assert seen == [("channel", 64, 8, 32, 16, 4), ("channel", 64, 20, 32, 16, 4)]
-
-
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
 def test_fused_inter_packed(decay):
   """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass
-  (`BlockSizes.fuse_inter`, the state in two 16-row pieces; per channel also `predecay`'s tiles) equals the
+  (`State.fuse_inter`; per channel also `predecay`'s tiles) equals the
   default path: outputs, final states and every gradient."""
   p = random_problem(12, B=2, T=40, H=2, HV=2, K=32, V=32, decay=decay, k_write="value", initial_state=False)
   ids = jnp.asarray(np.repeat(np.array([[0, 0, 1, 1, 1], [2, 2, 2, 3, 3]]), 8, axis=1), jnp.int32)
@@ -564,8 +398,8 @@ def test_fused_inter_packed(decay):
       del initial_state
       return gpu.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=s0,
                             segment_ids=ids, num_segments=4, chunk_size=16,
-                            blocks=BlockSizes(fuse_inter=fuse, state_k_piece=16 if fuse else 0,
-                                              predecay=fuse))
+                            config=DEFAULT.override(state__fuse_inter=fuse,
+                                              state__predecay=fuse))
     return vjp_all(fn, p.arrays(jnp.float32))
   got, want = run(True), run(False)
   assert set(got) == set(want) and len(got) >= 7, sorted(got)
@@ -577,20 +411,20 @@ def test_poison_catches_unwritten_blocks():
   p = random_problem(13, B=1, T=32, H=1, HV=1, K=16, V=16, decay="scalar")
   a = p.arrays(jnp.float32)
   st = layout.Static(batch=1, length=32, heads=1, value_heads=1, kw_heads=1, key_dim=16, value_dim=16,
-                     chunk=16, decay="scalar", scale=0.25, same_keys=True, blocks=BlockSizes(),
+                     chunk=16, decay="scalar", scale=0.25, same_keys=True, config=DEFAULT,
                      interpret=True)
   beta = jnp.swapaxes(a["beta"], 1, 2)
   G = jnp.swapaxes(jnp.cumsum(a["log_decay"].reshape(1, 2, 16, 1), axis=2).reshape(1, 32, 1), 1, 2)
-  W, U = delta_rule_fwd.prep(st, a["k"], a["k"], a["v"], beta, G)
-  V_new, S_in, _ = delta_rule_fwd.state_pass(st, W, U, a["k"], G, a["initial_state"])
+  W, U = prep.prep(st, a["k"], a["k"], a["v"], beta, G)
+  V_new, S_in, _ = state_fwd.state_pass(st, W, U, a["k"], G, a["initial_state"])
 
   def skip_last(st_, *refs):
     @pl.when(pl.program_id(2) < st_.num_chunks - 1)
     def _():
-      delta_rule_fwd._output_kernel(st_, *refs)
+      output.output_kernel(st_, *refs)
 
-  full = delta_rule_fwd.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32)
-  partial = delta_rule_fwd.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32, kernel_body=skip_last)
+  full = output.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32)
+  partial = output.output(st, a["q"], a["k"], G, S_in, V_new, jnp.float32, kernel_body=skip_last)
   want, _ = chunked.delta_rule(**a, scale=0.25, chunk_size=16)
   assert close(full, want, *FP32_TOL)
   assert np.isnan(np.asarray(partial[:, 16:])).all() and close(partial[:, :16], want[:, :16], *FP32_TOL)
@@ -608,17 +442,17 @@ def _expected_kernels(decay):
 def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
   """Forward and backward lower with the Triton backend for CUDA to IR that passes MLIR verification, every
   kernel of every decay (K = 64 with 32-wide K blocks: the K loops and K-split grids run); no dot runs in plain
-  TF32 (fp32 inputs: TF32x3, BlockSizes.fp32_dots). Per-channel decay without `predecay` (which "auto" would
+  TF32 (fp32 inputs: TF32x3, `Dots.fp32`). Per-channel decay without `predecay` (which the heuristic would
   pick at this size; `test_predecay_lowers_to_triton` lowers that path); at chunk 32 per-channel decay also runs
   `scores`."""
   verified = triton_lowering
   b, t, h, hv, kd = 1, 64, 1, 2, 64
-  blocks = BlockSizes(block_k_grad=32, predecay=False)
+  config = DEFAULT.override(grads__block_k=32, state__predecay=False)
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for decay, g in (("none", None), ("scalar", sd(b, t, hv)), ("channel", sd(b, t, hv, kd))):
     def loss(q, k, v, beta, g, kw):
       o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False,
-                            blocks=blocks)
+                            config=config)
       return jnp.sum(o) + jnp.sum(s)
     f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 5) + ((4,) if g is not None else ()))
     args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv), g, sd(b, t, hv, kd))
@@ -627,7 +461,7 @@ def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
     names = set(re.findall(r"@delta_rule_(\w+)\(", ir))
     assert names == _expected_kernels(decay) | ({"scores"} if decay == "channel" else set()), (decay, names)
     assert ir.count("tt.dot") > 0 and not re.search(r"inputPrecision = tf32(?!x3)", ir)
-    assert "inputPrecision = tf32x3" in ir         # fp32 inputs: the default BlockSizes.fp32_dots
+    assert "inputPrecision = tf32x3" in ir         # fp32 inputs: the default Dots.fp32
   assert all(verified), verified
 
 
@@ -635,7 +469,7 @@ def test_lowers_to_triton_without_tf32(triton_lowering, capsys):
 def test_bf16_gradients_lower_to_triton(triton_lowering, capsys, mode):
   """bf16 inputs without head groups (dq, dk, dk_write, dv stored as bf16 by the kernels) lower to verified
   Triton IR, decay none / scalar (grads_finish) and per channel (grads_pairs); their fp32 dots (T, dA) run as
-  `BlockSizes.fp32_dots_bf16` says and no other way."""
+  `Dots.bf16` says and no other way."""
   verified = triton_lowering
   b, t, h, kd = 1, 64, 2, 32
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -643,7 +477,7 @@ def test_bf16_gradients_lower_to_triton(triton_lowering, capsys, mode):
   for g in (None, jax.ShapeDtypeStruct((b, t, h), jnp.float32), jax.ShapeDtypeStruct((b, t, h, kd), jnp.float32)):
     def loss(q, k, v, kw, beta, g):
       o, s = gpu.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, chunk_size=32, interpret=False,
-                            blocks=BlockSizes(fp32_dots_bf16=mode))
+                            config=DEFAULT.override(dots__bf16=mode))
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
     args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, h, kd),
             jax.ShapeDtypeStruct((b, t, h), jnp.float32), g)
@@ -676,7 +510,7 @@ def test_channel_forward_lowers_to_triton(triton_lowering, capsys):
 
 
 def test_predecay_lowers_to_triton(triton_lowering, capsys):
-  """Per-channel decay with `BlockSizes.predecay` (bf16, GVA, packed): `decayed_tiles` and both state passes
+  """Per-channel decay with `State.predecay` (bf16, GVA, packed): `decayed_tiles` and both state passes
   reading the head-major decayed tiles lower to verified Triton IR."""
   verified = triton_lowering
   b, t, h, hv, kd, n = 1, 64, 1, 2, 32, 2
@@ -684,7 +518,7 @@ def test_predecay_lowers_to_triton(triton_lowering, capsys):
 
   def loss(q, k, v, beta, g, ids):
     o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, segment_ids=ids, num_segments=n, chunk_size=16,
-                          interpret=False, blocks=BlockSizes(predecay=True))
+                          interpret=False, config=DEFAULT.override(state__predecay=True))
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
   args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),
           sd(b, t, hv, kd, dtype=jnp.float32), sd(b, t, dtype=jnp.int32))
@@ -698,7 +532,7 @@ def test_predecay_lowers_to_triton(triton_lowering, capsys):
 def test_packed_lowers_to_triton(triton_lowering, capsys, fuse_inter):
   """Packed sequences (segment resets in both state passes: per-chunk int32 info, dynamic-row state loads
   and guarded stores) lower to verified Triton IR, bf16 inputs, scalar decay, traced segment ids; also with
-  the inter-chunk output formed by the forward's state pass and its state in two 32-row pieces."""
+  the inter-chunk output formed by the forward's state pass."""
   verified = triton_lowering
   b, t, h, hv, kd, n = 2, 80, 1, 2, 64, 5
   sd = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
@@ -706,7 +540,7 @@ def test_packed_lowers_to_triton(triton_lowering, capsys, fuse_inter):
   def loss(q, k, v, beta, g, s0, ids):
     o, s = gpu.delta_rule(q, k, v, beta, log_decay=g, initial_state=s0, segment_ids=ids, num_segments=n,
                           chunk_size=32, interpret=False,
-                          blocks=BlockSizes(fuse_inter=fuse_inter, state_k_piece=32 if fuse_inter else 0))
+                          config=DEFAULT.override(state__fuse_inter=fuse_inter))
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
   args = (sd(b, t, h, kd), sd(b, t, h, kd), sd(b, t, hv, kd), sd(b, t, hv, dtype=jnp.float32),

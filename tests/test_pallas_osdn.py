@@ -1,7 +1,7 @@
 """OSDN's d-pass as a Pallas GPU kernel (`pallas_kernels.gpu.osdn`) in interpret mode on CPU: d_t for every
 token, d_{T+1} and the gradients of a random projection of both w.r.t. u, n, β, r, d_1 and d_init against the
-token-serial `lax.scan` (`precond._osdn_serial(implementation="scan")`, i.e. method="sequential") in fp32;
-end to end through `osdn_write_key(method="pallas")`; dispatch; and lowering to Triton IR for CUDA.
+token-serial `lax.scan` (`precond.osdn_d_pass(implementation="reference")`, the kernel's contract) in fp32;
+end to end through `osdn_write_key(implementation="pallas")`; dispatch; and lowering to Triton IR for CUDA.
 
 Interpret mode is slow: small shapes (B = 2, T ≈ 70, G ≤ 4, K ≤ 24), each case combining several features.
 """
@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,12 @@ from jax.experimental import pallas as pl
 import pallas_kernels
 from osdn_jax.dgps import precond
 from osdn_jax.testing import rel_rms
-from pallas_kernels.gpu import osdn, osdn_tables
+from pallas_kernels.gpu import osdn
+from pallas_kernels.gpu.osdn import blocks as osdn_blocks
+from pallas_kernels.gpu.osdn import forward as osdn_forward
+from pallas_kernels.gpu.osdn import tables as osdn_tables
+from pallas_kernels.gpu.osdn.layout import Static
+from pallas_kernels.spec import Spec
 
 TOL = 1e-6           # fp32 relative RMS, kernel against the scan
 F32 = jnp.float32
@@ -64,7 +68,7 @@ def _pre_clip(a, ds, *, eta, anchor, learned_r):
   return (r[..., None] * d if anchor == "zero" else d0 + r[..., None] * (d - d0)) + step
 
 
-def _both(a, *, learned_r, blocks=None, **kw):
+def _both(a, *, learned_r, config=None, **kw):
   """(kernel, scan): each (outputs, gradients of a random projection w.r.t. u, n, β, [r,] d1, d0)."""
   names = ("u", "n", "beta", "r", "d1", "d0") if learned_r else ("u", "n", "beta", "d1", "d0")
 
@@ -73,8 +77,8 @@ def _both(a, *, learned_r, blocks=None, **kw):
       x = dict(zip(names, xs))
       args = (x["u"], x["n"], x["beta"], x.get("r"), x["d1"], x["d0"])
       if impl == "kernel":
-        return osdn.d_pass(*args, blocks=blocks, **kw)
-      return precond._osdn_serial(*args, implementation="scan", **kw)
+        return osdn.d_pass(*args, config=config, **kw)
+      return precond.osdn_d_pass(*args, implementation="reference", **kw)
     return fn
 
   return _values_and_grads(run, [a[n] for n in names], ("kernel", "scan")) + (names,)
@@ -130,18 +134,18 @@ def test_matches_scan(case):
   print(case, errors)
 
 
-@pytest.mark.parametrize("T,K,blocks", [
-    (64, 16, osdn.DPassBlocks(block_t=4, tables="kernel")), (5, 24, osdn.DPassBlocks(block_t=8, tables="kernel")),
-    (37, 16, osdn.DPassBlocks(block_t=8, solve_t_init=16, tables="kernel", share_inverse=False)),
-    (50, 16, osdn.DPassBlocks(block_t=4, solve_t_init=16, prefetch=False, tables="xla"))])
-def test_block_boundaries(T, K, blocks):
+@pytest.mark.parametrize("T,K,config", [
+    (64, 16, osdn.Config(block_t=4, tables="kernel")), (5, 24, osdn.Config(block_t=8, tables="kernel")),
+    (37, 16, osdn.Config(block_t=8, solve_t_init=16, tables="kernel", share_inverse=False)),
+    (50, 16, osdn.Config(block_t=4, solve_t_init=16, tables="xla"))])
+def test_block_boundaries(T, K, config):
   """T a multiple of the token block and of the 32-token block solve (no tail), T shorter than one block
   (tail only), 8-token blocks, 16-token block solves and a tail; the GPU defaults otherwise (block solves of
   32 tokens, the forward prefetching, the backward not). Tables from the kernel (the backward's inverse shared
-  with the forward: 64; formed anew: 37) and from the reference throughout (50, 16-token block solves without
-  prefetch), which "auto", the GPU default, runs under differentiation."""
+  with the forward: 64; formed anew: 37) and from the reference throughout (50, 16-token block solves), which
+  "auto", the GPU default, runs under differentiation."""
   a = _inputs(T, T=T, G=2, K=K)
-  got, want, names = _both(a, learned_r=True, blocks=blocks, eta=4.0, d_min=0.0, d_max=2.0, anchor="init")
+  got, want, names = _both(a, learned_r=True, config=config, eta=4.0, d_min=0.0, d_max=2.0, anchor="init")
   _assert_close(got, want, names)
 
 
@@ -167,10 +171,10 @@ def test_block_solve_hypothesis():
   where it does (the kernels then run them token by token); the kernel over all blocks matches the scan in
   values and gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
   a, L, eta, hi = _block_inputs(0), 16, 1.0, 2.0
-  st = osdn.Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
-                   blocks=osdn.INTERPRET_BLOCKS, interpret=True)
-  ds, _ = precond._osdn_serial(a["u"], a["n"], a["beta"], None, a["d1"], a["d0"], eta=eta, d_min=0.0, d_max=hi,
-                               anchor="zero", implementation="scan")
+  st = Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
+                   config=osdn.INTERPRET, interpret=True)
+  ds, _ = precond.osdn_d_pass(a["u"], a["n"], a["beta"], None, a["d1"], a["d0"], eta=eta, d_min=0.0, d_max=hi,
+                              anchor="zero", implementation="reference")
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], None, None)
   g = jnp.asarray(np.random.default_rng(1).normal(size=ds.shape), F32)
   wb = osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma)
@@ -178,45 +182,45 @@ def test_block_solve_hypothesis():
   for i in range(4):
     sl = slice(i * L, (i + 1) * L)
     u, b, n = a["u"][0, sl, 0], a["beta"][0, sl, 0], a["n"][0, sl, 0]
-    D, d_next, ok, smooth = osdn._block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0],
+    D, d_next, ok, smooth = osdn_blocks.block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0],
                                               None)
     fwd_ok.append(bool(ok))
     smooth_ok.append(bool(smooth))
     if ok:
       np.testing.assert_allclose(D, ds[0, sl, 0], rtol=2e-6, atol=2e-6)
       np.testing.assert_allclose(d_next, ds[0, (i + 1) * L, 0], rtol=2e-6, atol=2e-6)
-    bwd_ok.append(bool(osdn._block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
+    bwd_ok.append(bool(osdn_blocks.block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
                                            tb[0, i, 0], wb[0, i, 0], None)[-1]))
   assert fwd_ok == smooth_ok == bwd_ok == [True, False, False, False], (fwd_ok, smooth_ok, bwd_ok)
   # The forward kernel stores that flag per block for the split backward (which runs flagged blocks as a λ
   # chain): 1 for block 0 only here; 1 everywhere when the bounds are never reached.
   for lo_hi, want_flags in (((0.0, hi), [1, 0, 0, 0]), ((-100.0, 100.0), [1, 1, 1, 1])):
     st_k = dataclasses.replace(st, d_min=lo_hi[0], d_max=lo_hi[1])
-    assert osdn._split_bwd(st_k)
-    flags = osdn._forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
+    assert st_k.blocked
+    flags = osdn_forward.forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
     assert np.asarray(flags)[0, :, 0].tolist() == want_flags, flags
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
   got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
   _assert_close(got, want, names)
   # Padded channels (K = 12 → 16: u = 0, d = 0 = d_min, so d̄ = 0 at the bound) do not fail the checks.
   pad = lambda x: jnp.pad(x[..., :12], [(0, 0)] * (x.ndim - 1) + [(0, 4)])
-  st12 = osdn.Static(batch=1, length=64, heads=1, key_dim=16, channels=12, eta=eta, d_min=0.0, d_max=hi,
-                     mode="none", blocks=osdn.INTERPRET_BLOCKS, interpret=True)
+  st12 = Static(batch=1, length=64, heads=1, key_dim=16, channels=12, eta=eta, d_min=0.0, d_max=hi,
+                     mode="none", config=osdn.INTERPRET, interpret=True)
   u12 = pad(a["u"]) / jnp.sum(pad(a["u"]), -1, keepdims=True)
   n12 = jnp.sum(u12, -1)
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st12, u12, n12, a["beta"], None, None)
   wb = osdn_tables.adjoint_rhs_reference(st12, u12, pad(g), inv_b, gamma)
   d12 = pad(a["d1"])[0, 0]
   sl = slice(0, L)
-  solve = lambda st: osdn._block_solve(st, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12,
+  solve = lambda st: osdn_blocks.block_solve(st, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12,
                                        tf[0, 0, 0], wf[0, 0, 0], None)
   assert solve(st12)[2] and solve(st12)[3]            # ok and smooth (the split backward's flag)
   assert solve(dataclasses.replace(st12, channels=0))[2]             # d̄ = d_min counts as inside …
   assert not solve(dataclasses.replace(st12, channels=0))[3]         # … but not as smooth (∂clip = ½ there)
-  assert osdn._block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
+  assert osdn_blocks.block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
                              a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0],
                              None)[-1]
-  assert not osdn._block_adjoint(dataclasses.replace(st12, channels=0), u12[0, sl, 0],
+  assert not osdn_blocks.block_adjoint(dataclasses.replace(st12, channels=0), u12[0, sl, 0],
                                  jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0], a["beta"][0, sl, 0],
                                  n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0], None)[-1]
   a = _inputs(11, T=48, G=2, K=16)
@@ -234,9 +238,9 @@ def test_tables_kernel(mode, L):
   a = _inputs(31, T=2 * L + 5, G=2, K=16)
   r = None if mode == "none" else a["r"].at[:, 5::9].set(0.0).at[:, 3::7].set(1.0)
   o = a["d0"] if mode == "init" else None
-  blocks = osdn.DPassBlocks(solve_t=L, solve_t_apf=L, solve_t_init=L, tables="kernel")
-  st = osdn.Static(batch=2, length=2 * L + 5, heads=2, key_dim=16, eta=3.0, d_min=0.0, d_max=8.0, mode=mode,
-                   blocks=blocks, interpret=True)
+  config = osdn.Config(solve_t=L, solve_t_apf=L, solve_t_init=L, tables="kernel")
+  st = Static(batch=2, length=2 * L + 5, heads=2, key_dim=16, eta=3.0, d_min=0.0, d_max=8.0, mode=mode,
+                   config=config, interpret=True)
   g = jnp.asarray(np.random.default_rng(3).normal(size=a["u"].shape), F32)
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], r, o)
   want = (tf, wf, tb, osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma))
@@ -250,12 +254,12 @@ def test_tables_kernel(mode, L):
   else:
     np.testing.assert_allclose(kgf, gamma, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(kgf, kgb)
-  auto = dataclasses.replace(st, blocks=dataclasses.replace(blocks, tables="auto"))
+  auto = dataclasses.replace(st, config=dataclasses.replace(config, tables="auto"))
   assert osdn_tables.implementation(auto, False) == "kernel" and osdn_tables.implementation(auto, True) == "xla"
   # Shared (the custom_vjp's forward rule): the forward also forms the backward's inverse, the backward then
   # only its right-hand side; kernel and reference.
   for impl in ("kernel", "xla"):
-    sst = dataclasses.replace(st, blocks=dataclasses.replace(blocks, tables=impl))
+    sst = dataclasses.replace(st, config=dataclasses.replace(config, tables=impl))
     sf, swf, sgf, saved = osdn_tables.forward(sst, a["u"], a["n"], a["beta"], r, o, differentiated=True)
     sb, swb, sgb = osdn_tables.backward(sst, a["u"], a["n"], a["beta"], r, g, saved, sgf)
     assert (saved[0] is None) == (impl == "kernel")
@@ -278,9 +282,9 @@ def test_extreme_gates(clip, tables):
   b = np.array(a["beta"])
   b[:, 1::4], b[:, 2::4] = 0.0, 1.0
   a["beta"] = jnp.asarray(b)
-  blocks = dataclasses.replace(osdn.INTERPRET_BLOCKS, tables=tables) if tables else None
+  config = dataclasses.replace(osdn.INTERPRET, tables=tables) if tables else None
   lo, hi = (0.0, 8.0) if clip else (None, None)
-  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero", blocks=blocks)
+  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero", config=config)
   _assert_close(got, want, names)
 
 
@@ -308,16 +312,16 @@ def _write_key_inputs(seed, *, B, T, H, G, K, states):
 
 @pytest.mark.parametrize("anchor", ["zero", "init"])
 def test_osdn_write_key_end_to_end(anchor):
-  """osdn_write_key(method="pallas") against method="sequential": odd T, K = 20 (padded to 32), GVA gains
+  """osdn_write_key(implementation="pallas") against "reference": odd T, K = 20 (padded to 32), GVA gains
   (G = 2H), APF retention, an initial state, the guard, the default clip [0, 8] with an aggressive η; values and
   gradients w.r.t. k, β, r and the initial state."""
   k, beta, r, d0 = _write_key_inputs(7, B=2, T=69, H=2, G=4, K=20, states=2)
 
-  def run(method):
+  def run(impl):
     return lambda k, beta, r, d0: precond.osdn_write_key(k, beta, retention=r, eta=6.0, d_init=1.5,
-                                                         apf_anchor=anchor, initial_state=d0, method=method)
+                                                         apf_anchor=anchor, initial_state=d0, implementation=impl)
 
-  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "sequential"))
+  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "reference"))
   print(anchor, _assert_close(got, want, ("k", "beta", "r", "initial_state"), outputs=("k_write", "d_last")))
 
 
@@ -330,37 +334,34 @@ def test_osdn_write_key_packed(anchor, traced):
   ids = np.stack([np.repeat(np.arange(4), [1, 20, 1, 15]), np.repeat(np.arange(2), [30, 7])]).astype(np.int32)
   k, beta, r, d0 = _write_key_inputs(9, B=2, T=37, H=1, G=2, K=16, states=6 + (2 if traced else 0))
 
-  def run(method):
+  def run(impl):
     def fn(k, beta, r, d0):
       call = lambda ids, *xs: precond.osdn_write_key(xs[0], xs[1], retention=xs[2], eta=6.0, d_init=1.5,
-                                                     apf_anchor=anchor, initial_state=xs[3], method=method,
+                                                     apf_anchor=anchor, initial_state=xs[3], implementation=impl,
                                                      segment_ids=ids)
       return (jax.jit(call) if traced else call)(ids, k, beta, r, d0)
     return fn
 
-  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "sequential"))
+  got, want = _values_and_grads(run, (k, beta, r, d0), ("pallas", "reference"))
   print(anchor, _assert_close(got, want, ("k", "beta", "r", "initial_state"), outputs=("k_write", "d_last")))
 
 
 def test_dispatch():
-  """lookup("osdn_d_pass") finds the kernel for fp32, K ≤ 256, packed or not; osdn_jax.dgps does not import
-  pallas_kernels; method="pallas" refuses traced bounds, "chunked" packed sequences."""
-  spec = types.SimpleNamespace(key_dim=128, packed=False)
-  assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "gpu") is osdn.d_pass
-  assert pallas_kernels.lookup("osdn_d_pass", None, F32, 0, "cpu") is osdn.d_pass
-  assert pallas_kernels.lookup("osdn_d_pass", spec, jnp.float64, 0, "gpu") is None
-  assert pallas_kernels.lookup("osdn_d_pass", spec, F32, 0, "tpu") is None
-  assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=512), F32, 0, "gpu") is None
-  assert pallas_kernels.lookup("osdn_d_pass", types.SimpleNamespace(key_dim=64, packed=True), F32, 0,
-                               "gpu") is osdn.d_pass
+  """lookup of "osdn_d_pass" finds the kernel for fp32, K ≤ 256, static constants, packed or not; importing
+  osdn_jax.dgps imports no kernel; implementation="pallas" refuses traced bounds, an unknown implementation is
+  named."""
+  spec = Spec("osdn_d_pass", "gpu", "float32", key_dim=128)
+  lookup = lambda **kw: pallas_kernels.lookup(dataclasses.replace(spec, **kw))
+  assert lookup() is osdn.d_pass and lookup(platform="cpu") is osdn.d_pass and lookup(packed=True) is osdn.d_pass
+  assert lookup(dtype="float64") is None and lookup(platform="tpu") is None and lookup(key_dim=512) is None
+  assert lookup(static_params=False) is None
   k = jnp.ones((1, 8, 1, 16), F32) / 4
   beta = jnp.full((1, 8, 1), 0.5, F32)
-  with pytest.raises(ValueError, match="segment_ids"):
-    precond.osdn_write_key(k, beta, method="chunked", d_min=None, d_max=None,
-                           segment_ids=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match="static"):
-    jax.jit(lambda e: precond.osdn_write_key(k, beta, eta=e, method="pallas"))(1.0)
-  code = "import sys, osdn_jax.dgps; assert 'pallas_kernels' not in sys.modules"
+    jax.jit(lambda e: precond.osdn_write_key(k, beta, eta=e, implementation="pallas"))(1.0)
+  with pytest.raises(ValueError, match="`implementation`"):
+    precond.osdn_write_key(k, beta, implementation="sequential")
+  code = ("import sys, osdn_jax.dgps; assert not {'pallas_kernels.gpu', 'jax.experimental.pallas'} & set(sys.modules)")
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -378,7 +379,7 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
   def loss(u, n, beta, r, d1, d0, ids):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
                              anchor=anchor, segment_ids=ids if packed else None, interpret=False,
-                             blocks=dataclasses.replace(osdn.DEFAULT_BLOCKS, tables="kernel"))
+                             config=dataclasses.replace(osdn.DEFAULT, tables="kernel"))
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -395,17 +396,17 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
 
 @pytest.mark.parametrize("learned_r", [False, True])
 def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
-  """`DPassBlocks(split_bwd=True)`: the λ-only sequential kernel and the parallel block-gradient kernel (with
-  its in-place updated outputs) and the backward's own table kernel (kernel tables, not shared) lower to
-  verified Triton IR."""
+  """The split backward: the λ-only sequential kernel and the parallel block-gradient kernel (with its in-place
+  updated outputs) and the backward's own table kernel (kernel tables, not shared) lower to verified Triton
+  IR."""
   verified = triton_lowering
   b, t, g, kd = 2, 100, 4, 128
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
-  blocks = osdn.DPassBlocks(split_bwd=True, solve_t_apf=32, tables="kernel", share_inverse=False)
+  config = osdn.Config(solve_t_apf=32, tables="kernel", share_inverse=False)
 
   def loss(u, n, beta, r, d1, d0):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor="zero", blocks=blocks, interpret=False)
+                             anchor="zero", config=config, interpret=False)
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.grad(loss, argnums=(0, 1, 2, 3, 4))

@@ -13,6 +13,7 @@ from osdn_jax.dgps import precond
 from osdn_jax.ops.scan import affine_scan
 from osdn_jax.testing import close, rel_rms
 from pallas_kernels.gpu import decayed_sum as ds
+from pallas_kernels.spec import Spec
 
 F32 = jnp.float32
 TOL = 2e-6
@@ -85,7 +86,7 @@ def test_decayed_sum_bf16_input():
 
 @pytest.mark.parametrize("which", ["pdn", "atq"])
 def test_preconditioners_through_the_kernel(which):
-  """pdn_write_key / atq_query with implementation="pallas" (the fused kernel `precond_key`) against "scan":
+  """pdn_write_key / atq_query with implementation="pallas" (the fused kernel `precond_key`) against "xla":
   values and gradients w.r.t. k, the gates and the initial state (and q for ATQ)."""
   x, g, beta, A0 = _inputs(5, H=2, K=16)
   k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
@@ -98,16 +99,15 @@ def test_preconditioners_through_the_kernel(which):
     return lambda k, g, beta, A0: precond.atq_query(q, k, beta, g, initial_state=A0, implementation=impl)
 
   got = _jit_values_and_grads(run("pallas"), (k, g, beta, A0))
-  want = _jit_values_and_grads(run("scan"), (k, g, beta, A0))
+  want = _jit_values_and_grads(run("xla"), (k, g, beta, A0))
   for i, (a, b) in enumerate(zip(got, want)):
     assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
 
 
 def test_dispatch_and_errors():
-  spec = lambda packed: type("Spec", (), {"key_dim": 64, "packed": packed})()
-  assert pallas_kernels.lookup("decayed_sum", spec(False), F32, 0, "gpu") is ds.decayed_sum
-  assert pallas_kernels.lookup("decayed_sum", spec(True), F32, 0, "gpu") is None
-  assert pallas_kernels.lookup("decayed_sum", spec(False), jnp.float64, 0, "gpu") is None
+  lookup = lambda **kw: pallas_kernels.lookup(Spec("decayed_sum", "gpu", **{"dtype": "float32", "key_dim": 64, **kw}))
+  assert lookup() is ds.decayed_sum and lookup(dtype="bfloat16") is ds.decayed_sum
+  assert lookup(packed=True) is None and lookup(dtype="float64") is None
   x, g, beta, A0 = _inputs(6, T=8, K=16)
   with pytest.raises(ValueError, match="packed"):
     precond.second_moment(x, beta, g, segment_ids=jnp.zeros((2, 8), jnp.int32), implementation="pallas")
@@ -171,7 +171,7 @@ def test_precond_key_against_scan(which, T, initial, extreme):
   outputs; T = 77 (one padded chunk and a part) or 150 (three chunks), K = 20; extreme gates finite and equal."""
   args = _key_args(which, *_key_inputs(7, T, extreme=extreme), initial=initial)
   got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
-  want = _jit_values_and_grads(_key_fn(which, "scan"), args)
+  want = _jit_values_and_grads(_key_fn(which, "xla"), args)
   assert len(got) == 2 + sum(a is not None for a in args)
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.shape == b.shape and a.dtype == b.dtype and np.all(np.isfinite(np.asarray(a))), i
@@ -197,7 +197,7 @@ def test_precond_key_random_shapes(seed, which, H, K, T, initial, extreme):
   raw = (k, rng.normal(size=k.shape), beta, g, rng.random(size=(2, H, K)), rng.normal(size=(H,)) * 0.3)
   args = lambda dtype: _key_args(which, *(jnp.asarray(x, dtype) for x in raw), initial=initial)
   got = _jit_values_and_grads(_key_fn(which, "pallas"), args(F32))
-  want = _jit_values_and_grads(_key_fn(which, "scan"), args(jnp.float64))
+  want = _jit_values_and_grads(_key_fn(which, "xla"), args(jnp.float64))
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.shape == b.shape and a.dtype == F32 and np.all(np.isfinite(np.asarray(a))), i
     assert close(a, b, 1e-5, 1e-7), (i, rel_rms(a, b))
@@ -207,17 +207,17 @@ def test_precond_key_split_blocks():
   """The GPU's chunk (16) with K split into two blocks of 16 (partial sums of dβ, dg, dc over K blocks) gives
   the same function as the interpret-mode default (chunk 4, one K block)."""
   from pallas_kernels.gpu import precond_key as pk
-  blocks = pk.KeyBlocks(chunk=16, block_k=16, warps=1)
+  config = pk.Config(chunk=16, block_k=16, warps=1)
   args = _key_args("pdn", *_key_inputs(10, 77))
 
   def fn(k, q, beta, g, A0, c):
-    return pk.precond_key(k, beta, g, transform="pdn", center=c, x=1.7, initial_state=A0, blocks=blocks)
+    return pk.precond_key(k, beta, g, transform="pdn", center=c, x=1.7, initial_state=A0, config=config)
   got = _jit_values_and_grads(fn, args)
-  want = _jit_values_and_grads(_key_fn("pdn", "scan"), args)
+  want = _jit_values_and_grads(_key_fn("pdn", "xla"), args)
   for i, (a, b) in enumerate(zip(got, want)):
     assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
-  with pytest.raises(ValueError, match="KeyBlocks.chunk"):
-    pk.KeyBlocks(chunk=2)
+  with pytest.raises(ValueError, match="Config.chunk"):
+    pk.Config(chunk=2)
 
 
 def test_precond_key_bf16_inputs():
@@ -226,7 +226,7 @@ def test_precond_key_bf16_inputs():
   for which in ("pdn", "atq"):
     args = _key_args(which, k, q, beta, g, A0, centre)
     got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
-    want = _jit_values_and_grads(_key_fn(which, "scan"), args)
+    want = _jit_values_and_grads(_key_fn(which, "xla"), args)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == F32 and got[2].dtype == jnp.bfloat16
     for i, (a, b) in enumerate(zip(got, want)):
       assert a.dtype == b.dtype and rel_rms(a, b) < 1e-2, (which, i, rel_rms(a, b))
@@ -234,17 +234,15 @@ def test_precond_key_bf16_inputs():
 
 def test_precond_key_dispatch_and_errors():
   from pallas_kernels.gpu import precond_key as pk
-  spec = lambda packed, static=True: type("Spec", (), {"key_dim": 64, "packed": packed, "static_params": static})()
-  assert pallas_kernels.lookup("precond_key", spec(False), jnp.bfloat16, 0, "gpu") is pk.precond_key
-  assert pallas_kernels.lookup("precond_key", spec(True), F32, 0, "gpu") is None
-  assert pallas_kernels.lookup("precond_key", spec(False, False), F32, 0, "gpu") is None
-  assert pallas_kernels.lookup("precond_key", spec(False), jnp.float64, 0, "gpu") is None
+  lookup = lambda **kw: pallas_kernels.lookup(Spec("precond_key", "gpu", **{"dtype": "float32", "key_dim": 64, **kw}))
+  assert lookup(dtype="bfloat16") is pk.precond_key and lookup(packed=True) is None
+  assert lookup(static_params=False) is None and lookup(dtype="float64") is None
   k, q, beta, g, A0, centre = _key_inputs(9, 8)
   with pytest.raises(ValueError, match="packed"):
     precond.pdn_write_key(k, beta, g, centre, segment_ids=jnp.zeros((2, 8), jnp.int32), implementation="pallas")
   with pytest.raises(ValueError, match="float64"):
     precond.atq_query(q.astype(jnp.float64), k, beta, g, implementation="pallas")
-  with pytest.raises(ValueError, match="traced"):
+  with pytest.raises(ValueError, match="static"):
     jax.jit(lambda x: precond.pdn_write_key(k, beta, g, centre, x=x, implementation="pallas"))(1.5)
   with pytest.raises(ValueError, match="`implementation`"):
     precond.atq_query(q, k, beta, g, implementation="triton")

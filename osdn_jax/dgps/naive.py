@@ -1,7 +1,8 @@
-"""Token-serial references of the preconditioners whose fast forms use scans (the oracles of precond.py).
+"""Token-serial references of the preconditioners whose fast forms use scans (the oracles of precond.py; they run
+as `implementation="reference"` of `second_moment`, `pdn_write_key` and `atq_query`).
 
-OSDN's sequential form (`precond.osdn_write_key(method="sequential")`) and the exact preconditioner are
-token-serial already and serve as their own references.
+OSDN's d-pass (`precond.osdn_d_pass(implementation="reference")`) and the exact preconditioner are token-serial
+`lax.scan`s already and serve as their own references.
 """
 from __future__ import annotations
 

@@ -9,33 +9,36 @@ Shapes: keys and queries [B, T, H, K]; a per-token gate [B, T, G] where G is the
 the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 
 * PDN (Preconditioned DeltaNet): A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t k_t²; z = log(A_t + ε) − c;
-  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k). A_t through `lax.associative_scan`; on a GPU
-  `pdn_write_key` runs the fused chunk-parallel Pallas kernel `pallas_kernels.gpu.precond_key` (A_t never
-  stored) and `second_moment` the chunked kernel `pallas_kernels.gpu.decayed_sum`.
-* ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates); on a GPU through `precond_key` too.
+  k̃_t = exp(−log(x) z / (1 + |z|)) ⊙ k_t ∈ (k/x, x·k).
+* ATQ: q̃_t = q_t / (A_t + λ) with A_t as in PDN (its own gates).
 * OSDN (Online Scaled DeltaNet): d learned online by hypergradient descent on the surrogate
   h_t(d) = ((1 − β⟨d, k²⟩)² − 1) / (2‖k‖²); token t writes with guard(d_t ⊙ k_t), then
   d̄_{t+1} = r_t d_t + η β_t (1 − β_t⟨d_t, k_t²⟩) k_t² / ‖k_t‖²  (APF anchor "zero"; r ≡ 1 is vanilla OSDN) or
   d̄_{t+1} = d_init + r_t (d_t − d_init) + (same step)             (anchor "init"),  d_{t+1} = clip(d̄, d_min, d_max).
 * fixed: k̃ = guard(d ⊙ k) with a constant d (the control that credits gains to the online hypergradient).
 * exact (reference only, token-serial, meant for fp64): the full inverse Gram with gains.
+
+`implementation` (`osdn_jax.ops.dispatch`), for the passes with several: "reference" (token-serial `lax.scan`,
+`dgps.naive` for the second moment), "xla" (`lax.associative_scan`; OSDN's exact chunked form when unclipped and
+unpacked, else the token-serial scan), "pallas" (the kernels "decayed_sum", "precond_key", "osdn_d_pass";
+interpret mode on CPU) or "auto" (pallas on a GPU when a kernel supports the call, else xla; OSDN's d-pass takes
+the exact chunked form whenever it is unclipped and unpacked).
 """
 from __future__ import annotations
 
 import math
 import numbers
-import types
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from osdn_jax.ops import chunked, common, packing
+from osdn_jax.ops import chunked, common, dispatch, packing
 from osdn_jax.ops.scan import affine_scan
 
 _HI = lax.Precision.HIGHEST
 _TINY_NORM = 1e-12
-_RETENTION_FLOOR = math.exp(chunked.LOG_DECAY_FLOOR)
+_RETENTION_FLOOR = math.exp(common.LOG_DECAY_FLOOR)
 
 
 def _ct(*xs):
@@ -60,37 +63,26 @@ def num_segments(segment_ids, initial_state):
     return None
 
 
-def _pallas_kernel(op, caller, dtype, key_dim, segment_ids, implementation, static_params=True):
-  """The registered Pallas kernel `op` when `implementation` resolves to pallas ("pallas", or "auto" on a GPU
-  backend) and a kernel supports the call, else None; "pallas" without a supporting kernel raises."""
-  if implementation not in ("auto", "scan", "pallas"):
-    raise ValueError(f"{caller}: `implementation` must be 'auto', 'scan' or 'pallas', got {implementation!r}")
-  if not (implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu")):
-    return None
-  import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
-  spec = types.SimpleNamespace(key_dim=key_dim, packed=segment_ids is not None, static_params=static_params)
-  kernel = pallas_kernels.lookup(op, spec, dtype, 0, jax.default_backend())
-  if kernel is None and implementation == "pallas":
-    raise ValueError(f"{caller}: no Pallas kernel for dtype {jnp.dtype(dtype).name}, "
-                     f"{'packed' if segment_ids is not None else 'unpacked'} sequences"
-                     f"{'' if static_params else ', traced transform constants'} on {jax.default_backend()}; "
-                     "use implementation='scan'")
-  return kernel
+def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True):
+  """(kind, kernel) of `dispatch.choose` for one preconditioner pass ("reference", "xla" or "pallas")."""
+  request = dispatch.spec(op, dtype, key_dim=key_dim, packed=segment_ids is not None, static_params=static_params)
+  return dispatch.choose(request, implementation,
+                         why="" if static_params else "the transform's constants must be static numbers")
 
 
 def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
   k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K] ([N, H, K] with segment_ids).
-  implementation: "scan" (`lax.associative_scan`), "pallas" (the chunked Pallas kernel "decayed_sum";
-  interpret mode on CPU; unpacked, fp32/bf16) or "auto" (pallas on a GPU backend when it supports the call,
-  else scan).
-  Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
+  implementation: "reference" (token-serial), "xla" (`lax.associative_scan`), "pallas" (the chunked kernel
+  "decayed_sum": unpacked, fp32/bf16) or "auto". Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
-  kernel = _pallas_kernel("decayed_sum", "second_moment", jnp.result_type(k), k.shape[-1], segment_ids,
-                          implementation)
-  if kernel is not None:
+  kind, kernel = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation)
+  if kind == "pallas":
     return kernel(k, log_decay_p, beta=beta_p, initial_state=initial_state)
+  if kind == "reference":
+    from osdn_jax.dgps import naive   # naive imports this module
+    return naive.second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
   ct = _ct(k, beta_p, log_decay_p)
   k = jnp.asarray(k, ct)
   a = jnp.exp(jnp.asarray(log_decay_p, ct))[..., None]
@@ -117,10 +109,10 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
   """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K]).
 
   `implementation` as `second_moment`, but "pallas" runs the fused kernel "precond_key" (A_t never stored;
-  unpacked, fp32/bf16, x and eps static numbers; interpret mode on CPU)."""
-  kernel = _pallas_kernel("precond_key", "pdn_write_key", jnp.result_type(k), k.shape[-1], segment_ids,
-                          implementation, _static(x, eps))
-  if kernel is not None:
+  unpacked, fp32/bf16, x and eps static numbers)."""
+  kind, kernel = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
+                         _static(x, eps))
+  if kind == "pallas":
     return kernel(k, beta_p, log_decay_p, transform="pdn", center=center, x=x, eps=eps,
                   initial_state=initial_state)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
@@ -133,9 +125,9 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
   """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K]).
 
   `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number)."""
-  kernel = _pallas_kernel("precond_key", "atq_query", jnp.result_type(q, k), k.shape[-1], segment_ids,
-                          implementation, _static(lam))
-  if kernel is not None:
+  kind, kernel = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
+                         _static(lam))
+  if kind == "pallas":
     return kernel(k, beta_p, log_decay_p, transform="atq", q=q, lam=lam, initial_state=initial_state)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
@@ -177,36 +169,43 @@ def _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
   return k, beta, u, n, r, jnp.broadcast_to(d_init, shape[1:]), d1
 
 
-def _osdn_serial(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
-                 implementation="auto"):
-  """Token-serial d-pass; returns (d_t for every token [B, T, G, K], d_{T+1} [B, G, K]).
+def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
+                implementation="auto", chunk_size=64):
+  """OSDN's d-pass: the write scale d_t of every token and d_{T+1}, from keys and gains only.
 
-  With segment_ids, d restarts from d1[n] (d1 [N, G, K]) at the first token of segment n, and the second
-  result is each segment's last d, [N, G, K]. `implementation` "auto" runs the Pallas kernel ("osdn_d_pass",
-  packed or not) on a GPU backend when one supports the call, "pallas" forces it (interpret mode on CPU),
-  "scan" runs the `lax.scan`."""
-  if implementation == "pallas" or (implementation == "auto" and jax.default_backend() == "gpu"):
-    import pallas_kernels   # only here: osdn_jax.dgps must not import the kernels at module import
+    d̄_{t+1} = keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t,   d_{t+1} = clip(d̄_{t+1}, d_min, d_max),
+    keep_t = d_t (no retention) | r_t d_t (anchor "zero") | d_init + r_t (d_t − d_init) (anchor "init").
+
+  u [B, T, G, K] (k ⊙ k), n [B, T, G] (max(‖k‖², 1e-12)), beta [B, T, G], retention [B, T, G] in [e^−30, 1]
+  (None: r ≡ 1; `osdn_write_key` floors it),
+  d1 [B, G, K] (the d of token 1; [N, G, K] with segment_ids, d restarting from d1[n] at segment n's first
+  token), d_init broadcastable to [G, K]; eta, d_min, d_max numbers (bounds None: unbounded).
+  Returns (ds [B, T, G, K], d_{T+1} [B, G, K] or each segment's last d [N, G, K]).
+  implementation: "reference" (the token-serial `lax.scan`: the contract of the Pallas kernel), "xla" (the
+  exact chunked form when unclipped and unpacked, else the scan), "pallas" (the kernel "osdn_d_pass"; η and
+  the bounds static numbers) or "auto" (the chunked form when unclipped and unpacked, else the kernel on a GPU
+  when it supports the call, else the scan).
+  """
+  impl = dispatch.normalize("osdn_d_pass", implementation)
+  if impl in ("xla", "auto") and d_min is None and d_max is None and segment_ids is None:
+    return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, anchor=anchor, chunk_size=chunk_size)
+  if impl != "reference":
     static = all(x is None or isinstance(x, numbers.Real) for x in (eta, d_min, d_max))
-    spec = types.SimpleNamespace(key_dim=u.shape[-1], packed=segment_ids is not None)
-    kernel = static and pallas_kernels.lookup("osdn_d_pass", spec, u.dtype, 0, jax.default_backend())
-    if kernel:
-      return kernel(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
-                    segment_ids=segment_ids)
-    if implementation == "pallas":
-      raise ValueError(f"osdn_write_key: no Pallas d-pass kernel for K = {u.shape[-1]}, dtype "
-                       f"{jnp.dtype(u.dtype).name} on {jax.default_backend()} (eta, d_min, d_max must be "
-                       "static numbers); use method='sequential'")
+    kind, kernel = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static)
+    if kind == "pallas":
+      ids = None if segment_ids is None else packing.segment_index(segment_ids)
+      return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
+                    segment_ids=ids)
+  bounds = dict(eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
   if segment_ids is not None:
-    return _osdn_serial_packed(u, n, beta, r, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
-                               segment_ids=segment_ids)
+    return _osdn_serial_packed(u, n, beta, retention, d1, d_init, segment_ids=segment_ids, **bounds)
 
   def body(d, x):
     u_t, n_t, b_t, r_t = x
-    return _osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor), d
+    return _osdn_update(d, u_t, n_t, b_t, r_t, d_init, **bounds), d
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
-  d_last, ds = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, r))))
+  d_last, ds = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, retention))))
   return jnp.moveaxis(ds, 0, 1), d_last
 
 
@@ -248,7 +247,7 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
       y_{t+1} = r_t y_t − c_t k²(k²ᵀ y_t) + b_t k².
   The delta rule S_t = D_t S_{t-1} + β' k̃' (v' − k'ᵀ D_t S_{t-1}) reads its erase key against the *decayed*
   state, so it is this recurrence with D_t = r_t, read key k' = (c_t / r_t) k², write key k̃' = k², v' = b_t,
-  β' = 1 (r is floored at e^−30 for both forms in `_osdn_inputs`, so 1/r ≤ e^30 stays finite, and the chunk
+  β' = 1 (r is floored at e^−30 in `_osdn_inputs` for every form, so 1/r ≤ e^30 stays finite, and the chunk
   form's e^{G_i} cancels it exactly). S_t = y_{t+1}: the states before each token give d_t.
   """
   o = d_init if anchor == "init" else jnp.zeros_like(d_init)
@@ -267,8 +266,8 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
 
 
 def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0,
-                   apf_anchor="zero", initial_state=None, method="auto", chunk_size=64, segment_ids=None):
-  """OSDN's write key k̃_t = guard(d_t ⊙ k_t), d learned online from keys and gains only.
+                   apf_anchor="zero", initial_state=None, implementation="auto", chunk_size=64, segment_ids=None):
+  """OSDN's write key k̃_t = guard(d_t ⊙ k_t), d learned online from keys and gains only (`osdn_d_pass`).
 
   Args:
     k: [B, T, H, K] keys (expanded to beta's heads G ∈ {H, HV}). beta: [B, T, G] the solve's gains.
@@ -277,26 +276,14 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     eta, d_init (scalar or broadcastable to [G, K]), d_min, d_max (None: unbounded), guard (γ; None: off).
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
-    method: "sequential" (token-serial scan; any bounds), "chunked" (exact delta-rule form; only without
-      bounds, unpacked), "pallas" (the sequential pass as a Pallas kernel; interpret mode on CPU) or "auto"
-      (chunked when d_min and d_max are None and unpacked, else sequential — the Pallas kernel on a GPU
-      backend).
+    implementation: "auto" | "reference" | "xla" | "pallas", of the d-pass (`osdn_d_pass`).
     segment_ids: None or [B, T] packed sequences (initial_state then [N, G, K]; d_{T+1} per segment).
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
   """
   if apf_anchor not in ("zero", "init"):
     raise ValueError(f"osdn_write_key: `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
-  if method not in ("auto", "sequential", "chunked", "pallas"):
-    raise ValueError(f"osdn_write_key: `method` must be 'auto', 'sequential', 'chunked' or 'pallas', got "
-                     f"{method!r}")
-  bounded = d_min is not None or d_max is not None
-  if method == "chunked" and bounded:
-    raise ValueError("osdn_write_key: `method`='chunked' is exact only without the clip: pass d_min=None and "
-                     "d_max=None, or use method='sequential'")
-  if method == "chunked" and segment_ids is not None:
-    raise ValueError("osdn_write_key: `method`='chunked' does not take `segment_ids`; use 'sequential', "
-                     "'pallas' or 'auto'")
+  dispatch.normalize("osdn_write_key", implementation)
   if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
     raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
                      f"got shape {beta.shape}")
@@ -308,14 +295,10 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     # Traced ids and no initial_state: N is unknown, every segment starts from d_init, no final states.
     n_seg = num_segments(segment_ids, initial_state) or 1
   kx, beta, u, n, r, d0, d1 = _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
-  if method in ("sequential", "pallas") or (method == "auto" and (bounded or segment_ids is not None)):
-    impl = {"sequential": "scan", "pallas": "pallas"}.get(method, "auto")
-    ds, d_last = _osdn_serial(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor,
-                              segment_ids=segment_ids, implementation=impl)
-    if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
-      d_last = None
-  else:
-    ds, d_last = _osdn_chunked(u, n, beta, r, d1, d0, eta=eta, anchor=apf_anchor, chunk_size=chunk_size)
+  ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor,
+                           segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
+  if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
+    d_last = None
   return apply_guard(ds * kx, kx, beta, guard).astype(out_dtype), d_last
 
 

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from osdn_jax.dgps import decay as decay_fns
 from osdn_jax.dgps import gain as gain_fns
-from osdn_jax.dgps import naive as precond_naive
 from osdn_jax.dgps import precond as precond_fns
 from osdn_jax.dgps import solve as solve_fns
 
@@ -66,7 +65,7 @@ class Context:
   options: Mapping[str, Any]
   beta: Any = None
   state: Any = None          # the preconditioner's carried state, if any ([N, G, K] per segment when packed)
-  reference: bool = False    # token-serial references instead of the fast forms
+  implementation: str = "auto"   # of the preconditioner's pass: "auto" | "reference" | "xla" | "pallas"
   segment_ids: Any = None    # [B, T] packed sequences (`osdn_jax.ops.packing`)
 
 
@@ -113,16 +112,16 @@ def _second_moment_gates(c: Context):
 
 
 def _pdn(c: Context):
-  fn = precond_naive.pdn_write_key if c.reference else precond_fns.pdn_write_key
-  k_write, A = fn(c.k, *_second_moment_gates(c), c.params["center"], x=c.options["x"], eps=c.options["eps"],
-                  initial_state=c.state, segment_ids=c.segment_ids)
+  k_write, A = precond_fns.pdn_write_key(c.k, *_second_moment_gates(c), c.params["center"], x=c.options["x"],
+                                         eps=c.options["eps"], initial_state=c.state, segment_ids=c.segment_ids,
+                                         implementation=c.implementation)
   return dict(k_write=k_write), A
 
 
 def _atq(c: Context):
-  fn = precond_naive.atq_query if c.reference else precond_fns.atq_query
-  q_tilde, A = fn(c.q, c.k, *_second_moment_gates(c), lam=c.options["lam"], initial_state=c.state,
-                  segment_ids=c.segment_ids)
+  q_tilde, A = precond_fns.atq_query(c.q, c.k, *_second_moment_gates(c), lam=c.options["lam"],
+                                     initial_state=c.state, segment_ids=c.segment_ids,
+                                     implementation=c.implementation)
   return dict(q_tilde=q_tilde), A
 
 
@@ -132,7 +131,7 @@ def _osdn(c: Context):
   k_write, d = precond_fns.osdn_write_key(
       c.k, c.beta, retention=retention, eta=o["eta"], d_init=o["d_init"], d_min=o["d_min"], d_max=o["d_max"],
       guard=o["guard"], apf_anchor=o["apf_anchor"], initial_state=c.state,
-      method="sequential" if c.reference else "auto", segment_ids=c.segment_ids)
+      implementation=c.implementation, segment_ids=c.segment_ids)
   return dict(k_write=k_write), d
 
 
@@ -159,7 +158,7 @@ def _second_moment_init(key, d: Dims, o):
 
 
 _OSDN = dict(eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0, apf_anchor="zero")
-_APF_BIAS = {"zero": 8.0, "init": 2.0}   # σ(8) ≈ 0.9997 keeps d near d_init at the start; see DESIGN.md
+_APF_BIAS = {"zero": 8.0, "init": 2.0}   # σ(8) ≈ 0.9997 keeps d near d_init at the start (docs/design.md §1)
 
 PRECONDS = {
     "identity": Axis(lambda c: ({}, None)),
@@ -253,13 +252,15 @@ class Point:
       p = None
     return {"S": S, "precond": p}
 
-  def prepare(self, q, k, v, features, params, *, precond_state=None, reference=False, segment_ids=None) -> dict:
+  def prepare(self, q, k, v, features, params, *, precond_state=None, implementation="auto",
+              segment_ids=None) -> dict:
     """Applies the D, G and P axes: returns the solve's inputs (q, k, v, beta, k_write, q_tilde, log_decay)
-    and the preconditioner's final state under "precond_state"."""
+    and the preconditioner's final state under "precond_state". `implementation` runs the preconditioner's pass
+    ("reference": its token-serial form)."""
     if self.normalize_qk:
       q, k = _l2norm(q), _l2norm(k)
     ctx = lambda w, **kw: Context(q, k, v, features.get(w, {}), params.get(w, {}), self.opts,
-                                  reference=reference, segment_ids=segment_ids, **kw)
+                                  implementation=implementation, segment_ids=segment_ids, **kw)
     log_decay = self._axis("decay").apply(ctx("decay"))
     beta = self._axis("gain").apply(ctx("gain"))
     written, p_state = self._axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
@@ -270,13 +271,14 @@ class Point:
                chunk_size=64, segment_ids=None, implementation="auto"):
     """Runs the point. state: None or {"S": [B, HV, K, V], "precond": [B, G, K] or None}.
 
-    Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). implementation="naive" runs every axis
-    token-serially (the point's own reference composition). With segment_ids [B, T] every state restarts at
-    each segment start and the states are per segment ([N, ...] instead of [B, ...]).
+    Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). `implementation` ("auto" | "reference" |
+    "xla" | "pallas"; "naive" is an alias of "reference") runs the preconditioner's pass and the solve:
+    "reference" runs every axis token-serially (the point's own reference composition). With segment_ids [B, T]
+    every state restarts at each segment start and the states are per segment ([N, ...] instead of [B, ...]).
     """
     state = state or {}
     x = self.prepare(q, k, v, features, params, precond_state=state.get("precond"),
-                     reference=implementation == "naive", segment_ids=segment_ids)
+                     implementation=implementation, segment_ids=segment_ids)
     o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=state.get("S"),
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
@@ -339,7 +341,7 @@ def names() -> list[str]:
 
 
 def get(name: str, **options) -> Point:
-  """The named point (DESIGN.md's table), with its preconditioner options overridden by `options`."""
+  """The named point (docs/design.md §1's table), with its preconditioner options overridden by `options`."""
   key = name.lower()
   if key not in POINTS:
     raise ValueError(f"dgps.get: unknown point {name!r}; known: {', '.join(POINTS)}")

@@ -4,7 +4,7 @@
 
 Nothing is allocated: shapes come from `nnx.eval_shape` (parameters) and `jax.eval_shape` (one layer's
 prefill, for the state). FLOPs count a multiply-add as 2; the recurrence is the chunkwise form's estimate
-(DESIGN.md §2) per value head and token with the chunk C = min(chunk_size, context):
+(docs/design.md §2) per value head and token with the chunk C = min(chunk_size, context):
   online  6·K·V (W S, Q S, state update) + 2·C·(3K + 2V) (A, Q K̃ᵀ, T·βK, T·V, scores·V_new) + C²/3 (T)
   offline 4·K·V (Q S, Kᵀ V) + 2·C·(K + V) (Q Kᵀ, scores·V)
 The O(K) preconditioner passes, norms and element-wise gates are left out (< 1%).

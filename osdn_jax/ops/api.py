@@ -1,52 +1,28 @@
-"""The public solves: validation, then dispatch to the naive oracle, the chunked XLA path or a Pallas kernel.
+"""The public solves: validation, then dispatch to the reference oracle, the chunked XLA path or a Pallas kernel.
 
-`implementation`: "naive" (token-serial oracle), "xla" (chunkwise pure JAX), "pallas" (a kernel; on a CPU
-backend in interpret mode; raises if none supports the request) or "auto" (pallas on GPU/TPU when a kernel
-supports the shape and dtype, else xla; never naive).
+`implementation` (`dispatch`): "reference" (token-serial oracle; "naive" is an alias), "xla" (chunkwise pure JAX),
+"pallas" (a kernel; on a CPU backend in interpret mode; raises if none supports the request) or "auto" (pallas
+on GPU/TPU when a kernel supports the shape and dtype, else xla; never the reference).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from osdn_jax.ops import checks, chunked, common, naive
+from osdn_jax.ops import checks, chunked, common, dispatch, naive, packing
 
 
-def _pallas(op: str, spec, dtype, chunk_size: int):
-  import pallas_kernels  # the one place the library reaches the kernels
-  return pallas_kernels.lookup(op, spec, dtype, chunk_size, jax.default_backend())
-
-
-def _resolve(op: str, implementation: str, spec, dtype, chunk_size: int):
-  if implementation == "naive":
-    return getattr(naive, op), False
-  if implementation == "xla":
-    return getattr(chunked, op), True
-  if spec.packed and spec.num_segments is None:   # kernels lay segments out by N, which must be static
-    if implementation == "pallas":
-      raise ValueError(f"{op}: `implementation`='pallas' with traced `segment_ids` needs N static: pass "
-                       "`initial_state` of shape [N, HV, K, V] (zeros are fine), or use 'xla' or 'auto'")
-    return getattr(chunked, op), True
-  if implementation == "auto" and jax.default_backend() == "cpu":
-    return getattr(chunked, op), True
-  kernel = _pallas(op, spec, dtype, chunk_size)
-  if kernel is not None:
-    return kernel, True
-  if implementation == "pallas":
-    raise ValueError(f"{op}: `implementation`='pallas' has no kernel for decay={spec.decay!r}, "
-                     f"K={spec.key_dim}, V={spec.value_dim}, dtype={jnp.dtype(dtype).name}, "
-                     f"chunk_size={chunk_size} on backend {jax.default_backend()!r}; use 'xla' or 'auto'")
-  return getattr(chunked, op), True
-
-
-def _run(op, implementation, spec, chunk_size, segment_ids, output_final_state, q, *args, **kwargs):
-  fn, chunk = _resolve(op, implementation, spec, q.dtype, chunk_size)
-  if chunk:
-    kwargs["chunk_size"] = chunk_size
+def _run(op, implementation, spec, segment_ids, output_final_state, q, *args, **kwargs):
+  if spec.packed and spec.num_segments is None and dispatch.normalize(op, implementation) == "pallas":
+    raise ValueError(f"{op}: `implementation`='pallas' with traced `segment_ids` needs N static: pass "
+                     "`initial_state` of shape [N, HV, K, V] (zeros are fine), or use 'xla' or 'auto'")
+  kind, kernel = dispatch.choose(spec, implementation)
+  fn = {"reference": getattr(naive, op), "xla": getattr(chunked, op)}.get(kind, kernel)
+  if kind != "reference":
+    kwargs["chunk_size"] = spec.chunk_size
   if segment_ids is not None:   # N goes to kernels always, to the XLA path when the final states are wanted
-    kernel = fn not in (getattr(naive, op), getattr(chunked, op))
-    kwargs.update(segment_ids=jnp.asarray(segment_ids),
-                  num_segments=spec.num_segments if (output_final_state or kernel) else None)
+    ids = jnp.asarray(segment_ids)
+    kwargs.update(segment_ids=packing.segment_index(ids) if kind == "pallas" else ids,
+                  num_segments=spec.num_segments if (output_final_state or kind == "pallas") else None)
   o, S = fn(q, *args, **kwargs)
   return o, (S if output_final_state else None)
 
@@ -64,8 +40,8 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
       channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros; [N, HV, K, V] when packed).
     output_final_state: return the final state (else None). scale: default K ** -0.5.
     chunk_size: 16, 32, 64 or 128. segment_ids: None or [B, T] packed sequences (below).
-    implementation: see the module doc (packed, the kernels need N static: from concrete ids or
-      initial_state; else "auto" uses xla and "pallas" raises).
+    implementation: "auto" | "reference" | "xla" | "pallas" (the module doc; packed, the kernels need N
+      static: from concrete ids or initial_state; else "auto" uses xla and "pallas" raises).
   Returns:
     (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] ([N, HV, K, V] when packed) in fp32 (fp64 for fp64
     inputs) or None).
@@ -84,7 +60,7 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
                             initial_state=initial_state, scale=scale, chunk_size=chunk_size,
                             segment_ids=segment_ids, output_final_state=output_final_state,
                             implementation=implementation)
-  return _run("delta_rule", implementation, spec, chunk_size, segment_ids, output_final_state, q, k, v, beta,
+  return _run("delta_rule", implementation, spec, segment_ids, output_final_state, q, k, v, beta,
               k_write=k_write, log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
@@ -99,7 +75,7 @@ def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, 
                             log_decay=log_decay, initial_state=initial_state, scale=scale,
                             chunk_size=chunk_size, segment_ids=segment_ids,
                             output_final_state=output_final_state, implementation=implementation)
-  return _run("linear_attention", implementation, spec, chunk_size, segment_ids, output_final_state, q, k, v,
+  return _run("linear_attention", implementation, spec, segment_ids, output_final_state, q, k, v,
               beta=beta, log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
@@ -123,7 +99,7 @@ def delta_rule_step(q, k, v, beta, state, *, k_write=None, log_decay=None, scale
     log_decay None, [B, HV] or [B, HV, K]. Every batch row is an independent sequence with its own state:
     rows with different histories (e.g. the per-segment final states of a packed prefill, [N, HV, K, V],
     used as B = N rows) step together exactly as each would alone.
-  Returns: (o [B, HV, V] in q.dtype, new state [B, HV, K, V] fp32).
+  Returns: (o [B, HV, V] in q.dtype, new state [B, HV, K, V] fp32 (fp64 for fp64 inputs)).
   """
   checks.check_step("delta_rule_step", q, k, v, state, beta=beta, k_write=k_write, log_decay=log_decay,
                     scale=scale)

@@ -1,45 +1,20 @@
 """Up-front validation of the public ops' arguments.
 
 Every check runs on static shapes and dtypes, before anything is traced, and raises a `ValueError` that names
-the argument and the shape or dtype it should have. The result is a small `Spec` that the implementations use
-to decide the decay type and the head grouping.
+the argument and the shape or dtype it should have. The result is the request `Spec` (`pallas_kernels.spec`)
+that the dispatch hands to the kernels and the implementations read the decay type and head grouping from.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osdn_jax.ops import packing
+from osdn_jax.ops import dispatch, packing
+from osdn_jax.ops.common import CHUNK_SIZES
+from osdn_jax.ops.dispatch import Spec
 
-CHUNK_SIZES = (16, 32, 64, 128)
-IMPLEMENTATIONS = ("auto", "naive", "xla", "pallas")
 _FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  """What the validated arguments describe.
-
-  batch, length: B and T (T is None for one-token steps); heads: H key heads; value_heads: HV = groups · H;
-  key_dim, value_dim: K and V; decay: "none" | "scalar" | "channel"; num_segments: N (B when unpacked; None
-  for packed sequences whose ids are traced and N is not needed); packed: segment_ids were given.
-  """
-  batch: int
-  length: int | None
-  heads: int
-  value_heads: int
-  key_dim: int
-  value_dim: int
-  decay: str
-  num_segments: int | None
-  packed: bool = False
-
-  @property
-  def groups(self) -> int:
-    return self.value_heads // self.heads
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -105,8 +80,7 @@ def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool):
     raise _fail(op, "scale", "a scalar or None", f"shape {_shape(scale)}")
   if chunk_size not in CHUNK_SIZES:
     raise _fail(op, "chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
-  if implementation not in IMPLEMENTATIONS:
-    raise _fail(op, "implementation", f"one of {IMPLEMENTATIONS}", repr(implementation))
+  dispatch.normalize(op, implementation)
   return qs, vs
 
 
@@ -172,7 +146,9 @@ def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None
   decay = _decay_kind(op, log_decay, b, t, hv, kd)
   n = _check_segments(op, segment_ids, initial_state, output_final_state, b, t)
   _check_state(op, "initial_state", initial_state, n, hv, kd, vd, "B" if segment_ids is None else "N")
-  return Spec(b, t, h, hv, kd, vd, decay, n, segment_ids is not None)
+  return dispatch.spec(op, jnp.result_type(q), key_dim=kd, value_dim=vd, batch=b, length=t, heads=h,
+                       value_heads=hv, decay=decay, chunk_size=chunk_size, packed=segment_ids is not None,
+                       num_segments=n)
 
 
 def check_step(op: str, q, k, v, state, *, beta=None, beta_required=True, k_write=None, log_decay=None,
@@ -196,4 +172,5 @@ def check_step(op: str, q, k, v, state, *, beta=None, beta_required=True, k_writ
   if state is None:
     raise _fail(op, "state", f"an array of shape [B, HV, K, V] = {(b, hv, kd, vd)}", "None")
   _check_state(op, "state", state, b, hv, kd, vd)
-  return Spec(b, None, h, hv, kd, vd, decay, b)
+  return dispatch.spec(op.removesuffix("_step"), jnp.result_type(q), key_dim=kd, value_dim=vd, batch=b,
+                       length=None, heads=h, value_heads=hv, decay=decay, num_segments=b)

@@ -1,4 +1,4 @@
-"""Chunkwise solves in pure JAX (the XLA path): the WY/UT form of DESIGN.md §2 with an asymmetric Gram.
+"""Chunkwise solves in pure JAX (the XLA path): the WY/UT form of docs/design.md §2 with an asymmetric Gram.
 
 Per chunk of C tokens, with G_i = Σ_{j≤i in the chunk} g_j (inclusive; per key channel for channel decay):
 
@@ -30,8 +30,9 @@ from jax import lax
 
 from osdn_jax.ops import common, packing, scan
 
+from osdn_jax.ops.common import LOG_DECAY_FLOOR
+
 _HI = lax.Precision.HIGHEST
-LOG_DECAY_FLOOR = -30.0   # exp(−30) ≈ 1e−13: lower log-decays change nothing but lose precision in cumsums
 SUB_CHUNK = 16            # sub-block size for the per-channel intra-chunk scores
 
 
@@ -48,6 +49,16 @@ def _to_chunks(x, chunk):
   x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   x = x.reshape(b, (t + pad) // chunk, chunk, *x.shape[2:])
   return jnp.moveaxis(x, 3, 1)
+
+
+def _work_layout(q, k, v, beta, k_write, log_decay, state, chunk):
+  """The solves' common preparation: the compute dtype and value-head expansion (`common.prepare`), scalar
+  log-decays as a trailing axis of size 1, then every per-token input in the work layout. Returns ([q, k,
+  k_write, v, beta, g] as [B, HV, NC, C, ...] (g None without decay), the state in the compute dtype)."""
+  q, k, v, beta, k_write, log_decay, state = common.prepare(q, k, v, beta, k_write, log_decay, state, head_axis=2)
+  if log_decay is not None and log_decay.ndim == 3:
+    log_decay = log_decay[..., None]               # scalar decay as a trailing axis of size 1
+  return [_to_chunks(x, chunk) for x in (q, k, k_write, v, beta, log_decay)], state
 
 
 def _from_chunks(x, length):
@@ -166,22 +177,27 @@ def _decays(G):
   return jnp.exp(G), jnp.exp(G[..., -1:, :] - G), jnp.exp(G[..., -1, :])[..., :, None]
 
 
+def _wu(k, k_write, v, beta, G, e_in, *, online: bool, seg=None):
+  """(W, U) of every chunk: W = T diag(β)(K ⊙ e^G), U = T diag(β) V with T = (I + A)⁻¹, A the strictly lower
+  decayed Gram diag(β)(K ⊙ e^G)(K̃ ⊙ e^−G)ᵀ (pairs of two segments masked when packed); offline (A = 0,
+  no erase): (None, diag(β) V)."""
+  bv = beta[..., None] * v
+  if not online:
+    return None, bv
+  k_in = k if e_in is None else k * e_in
+  a = jnp.where(_tril(k.shape[-2], strict=True), beta[..., None] * intra_scores(k, k_write, G, seg), 0.0)
+  wu = solve_unit_lower(a, jnp.concatenate([beta[..., None] * k_in, bv], axis=-1))
+  return wu[..., :k.shape[-1]], wu[..., k.shape[-1]:]
+
+
 def _chunk_recurrence(k, k_write, v, beta, G, state, *, online: bool):
   """The state pass: what enters each chunk and the chunk's corrected values.
 
   k, k_write [B, HV, NC, C, K]; v [B, HV, NC, C, V]; beta [B, HV, NC, C]; G None or [B, HV, NC, C, 1|K];
   state [B, HV, K, V]. Returns (S_in [B, HV, NC, K, V], V_new [B, HV, NC, C, V], final state).
   """
-  c = k.shape[-2]
   e_in, e_out, gamma = _decays(G)
-  bv = beta[..., None] * v
-  if online:
-    k_in = k if e_in is None else k * e_in
-    a = jnp.where(_tril(c, strict=True), beta[..., None] * intra_scores(k, k_write, G), 0.0)
-    wu = solve_unit_lower(a, jnp.concatenate([beta[..., None] * k_in, bv], axis=-1))
-    w, u = wu[..., :k.shape[-1]], wu[..., k.shape[-1]:]
-  else:
-    w, u = None, bv
+  w, u = _wu(k, k_write, v, beta, G, e_in, online=online)
   kw_out = k_write if e_out is None else k_write * e_out
 
   def step(S, xs):
@@ -302,18 +318,10 @@ def _packed_solve(q, k, k_write, v, beta, g, S0, scale, seg: _Segments, *, onlin
   S0: None (zeros) or [N, HV, K, V]. → (o like v, final states [N, HV, K, V] or None when num_segments is
   None).
   """
-  c = k.shape[-2]
   G = None if g is None else segment_decay_cumsum(g, seg.start)
   e_in = None if G is None else jnp.exp(G)
-  bv = beta[..., None] * v
   q_in = q if e_in is None else q * e_in
-  if online:
-    k_in = k if e_in is None else k * e_in
-    a = jnp.where(_tril(c, strict=True), beta[..., None] * intra_scores(k, k_write, G, seg.n), 0.0)
-    wu = solve_unit_lower(a, jnp.concatenate([beta[..., None] * k_in, bv], axis=-1))
-    w, u = wu[..., :k.shape[-1]], wu[..., k.shape[-1]:]
-  else:
-    w, u = None, bv
+  w, u = _wu(k, k_write, v, beta, G, e_in, online=online, seg=seg.n)
   r_q = None
   if S0 is not None:   # segments starting inside a chunk: V_new = U − W S0[n], o += (Q ⊙ e^G) S0[n]
     reads = _initial_reads([q_in] if w is None else [q_in, w], S0, seg)
@@ -363,26 +371,18 @@ def _packed_solve(q, k, k_write, v, beta, g, S0, scale, seg: _Segments, *, onlin
 def _solve_packed(q, k, v, beta, k_write, log_decay, S0, scale, segment_ids, *, online: bool,
                   chunk_size: int, num_segments):
   out_dtype, t = q.dtype, q.shape[1]
-  q, k, v, beta, k_write, log_decay, _ = common.prepare(
-      q, k, v, beta, k_write, log_decay, None, head_axis=2)
-  S0 = None if S0 is None else jnp.asarray(S0, q.dtype)
-  if log_decay is not None and log_decay.ndim == 3:
-    log_decay = log_decay[..., None]
-  scale = jnp.asarray(scale, q.dtype)
-  chunks = [_to_chunks(x, chunk_size) for x in (q, k, k_write, v, beta, log_decay)]
+  chunks, _ = _work_layout(q, k, v, beta, k_write, log_decay, None, chunk_size)
+  ct = chunks[0].dtype
+  S0 = None if S0 is None else jnp.asarray(S0, ct)
   seg = _segment_chunks(segment_ids, chunk_size)
-  o, finals = _packed_solve(*chunks, S0, scale, seg, online=online, num_segments=num_segments)
+  o, finals = _packed_solve(*chunks, S0, jnp.asarray(scale, ct), seg, online=online, num_segments=num_segments)
   return _from_chunks(o, t).astype(out_dtype), finals
 
 
 @functools.partial(jax.jit, static_argnames=("online", "chunk_size"))
 def _states(k, v, beta, k_write, log_decay, state, *, online: bool, chunk_size: int):
   t = k.shape[1]
-  _, k, v, beta, k_write, log_decay, state = common.prepare(
-      k, k, v, beta, k_write, log_decay, state, head_axis=2)
-  if log_decay is not None and log_decay.ndim == 3:
-    log_decay = log_decay[..., None]
-  k, k_write, v, beta, g = (_to_chunks(x, chunk_size) for x in (k, k_write, v, beta, log_decay))
+  (_, k, k_write, v, beta, g), state = _work_layout(k, k, v, beta, k_write, log_decay, state, chunk_size)
   G = None if g is None else decay_cumsum(g)
   S_in, v_new, S = _chunk_recurrence(k, k_write, v, beta, G, state, online=online)
   # S_t = e^{G_t} ⊙ S_in + Σ_{j≤t} (e^{G_t − G_j} ⊙ k̃_j) v_newⱼᵀ, pairwise per channel: [..., C, C, 1|K].
@@ -407,13 +407,8 @@ def delta_rule_states(k, v, beta, *, k_write=None, log_decay=None, initial_state
 @functools.partial(jax.jit, static_argnames=("online", "chunk_size"))
 def _solve(q, k, v, beta, k_write, log_decay, state, scale, *, online: bool, chunk_size: int):
   out_dtype, t = q.dtype, q.shape[1]
-  q, k, v, beta, k_write, log_decay, state = common.prepare(
-      q, k, v, beta, k_write, log_decay, state, head_axis=2)
-  if log_decay is not None and log_decay.ndim == 3:
-    log_decay = log_decay[..., None]               # scalar decay as a trailing axis of size 1
-  scale = jnp.asarray(scale, q.dtype)
-  chunks = [_to_chunks(x, chunk_size) for x in (q, k, k_write, v, beta, log_decay)]
-  o, S = _chunk_solve(*chunks, state, scale, online=online)
+  chunks, state = _work_layout(q, k, v, beta, k_write, log_decay, state, chunk_size)
+  o, S = _chunk_solve(*chunks, state, jnp.asarray(scale, chunks[0].dtype), online=online)
   return _from_chunks(o, t).astype(out_dtype), S
 
 

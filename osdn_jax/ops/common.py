@@ -1,7 +1,10 @@
-"""Helpers shared by every implementation of the solves: compute dtype, head grouping, defaults."""
+"""Helpers shared by every implementation of the solves: the contract's constants, compute dtype, head grouping,
+defaults."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR  # noqa: F401  (the contract shared with the kernels)
 
 
 def compute_dtype(dtype) -> jnp.dtype:

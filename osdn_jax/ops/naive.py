@@ -1,6 +1,6 @@
 """Token-serial oracles: the online (delta rule) and offline (linear attention) solves, one token at a time.
 
-This file is the specification every fast path is tested against: the recurrences of DESIGN.md §1, written as
+This file is the specification every fast path is tested against: the recurrences of docs/design.md §1, written as
 plainly as possible. It computes in fp32, or in fp64 when the inputs are fp64 (x64 enabled).
 
 Shapes (value heads HV = g·H; value head i reads key head i // g):

@@ -1,5 +1,5 @@
 """In-kernel building blocks (Triton-lowerable register math) shared by every kernel: `dot`, `iota`,
-`masked_exp`, `take_col`, `row_scale`, `last_row`. The chunk math of the kernels (decayed pair products,
+`accumulate`, `masked_exp`, `take_col`, `row_scale`, `last_row`. The chunk math of the kernels (decayed pair products,
 T = (I + A)⁻¹) is in `intra.py`.
 
 Everything here uses only iota masks, `jnp.where`, reductions, elementwise math and 2-D dots with every dim
@@ -53,6 +53,11 @@ def dot(a, b, *, ta: bool = False, tb: bool = False):
     return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=F32)
   a, b = a.astype(F32), b.astype(F32)
   return lax.dot_general(a, b, dims, precision=_FP32_DOTS[_fp32_dots[-1]], preferred_element_type=F32)
+
+
+def accumulate(acc, x):
+  """acc + x, or x when acc is None (the first term of a sum built in a Python loop)."""
+  return x if acc is None else acc + x
 
 
 def masked_exp(diff, mask):

@@ -28,13 +28,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.chunk_math import F32, dot, last_row
-from pallas_kernels.gpu.config import padded_dim, pallas_call
+from pallas_kernels.gpu.common import SQUEEZED as _SQ
+from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.gpu.intra import decay_factor
+from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec
 
-_SQ = getattr(pl, "squeezed", None)
-CHUNK = 64
-BLOCK_K = 32
-LOG_DECAY_FLOOR = -30.0
+CHUNK = 64             # tokens per step of the loop (one [C, C] × [C, BK] dot)
+BLOCK_K = 32           # channels per program
 
 
 def _kernel(square, chunk, num_chunks, *refs):
@@ -73,32 +73,26 @@ def _call(x, beta, G, A0, *, chunk, interpret):
                      interpret=interpret, num_warps=4, num_stages=1, name="decayed_sum")(*args)
 
 
-def _pad(x, axis, size):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return x if x.shape[axis] == size else jnp.pad(x, pad)
-
-
-def _scan(x, beta, g, A0, *, interpret):
+def scan(x, beta, g, A0, *, interpret):
   """Pads T and K, lays out the gates head-major with in-chunk cumsums, runs the kernel, unpads."""
   b, t, h, k = x.shape
   tp, kp = -(-t // CHUNK) * CHUNK, max(padded_dim(k), BLOCK_K)
-  x = _pad(_pad(x, 1, tp), 3, kp)
-  G = jnp.swapaxes(_pad(g, 1, tp), 1, 2)                                          # [B, H, T]
+  x = pad_axis(pad_axis(x, 1, tp), 3, kp)
+  G = jnp.swapaxes(pad_axis(g, 1, tp), 1, 2)                                          # [B, H, T]
   G = jnp.cumsum(G.reshape(b, h, tp // CHUNK, CHUNK), axis=-1).reshape(b, h, tp)
   if beta is not None:
-    beta = jnp.swapaxes(_pad(beta, 1, tp), 1, 2)
-  A, A_T = _call(x, beta, G, _pad(A0, 2, kp), chunk=CHUNK, interpret=interpret)
+    beta = jnp.swapaxes(pad_axis(beta, 1, tp), 1, 2)
+  A, A_T = _call(x, beta, G, pad_axis(A0, 2, kp), chunk=CHUNK, interpret=interpret)
   return A[:, :t, :, :k], A_T[..., :k]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _decayed_sum(x, beta, g, A0, interpret):
-  return _scan(x, beta, g, A0, interpret=interpret)
+  return scan(x, beta, g, A0, interpret=interpret)
 
 
 def _fwd(x, beta, g, A0, interpret):
-  A, A_T = _scan(x, beta, g, A0, interpret=interpret)
+  A, A_T = scan(x, beta, g, A0, interpret=interpret)
   return (A, A_T), (x, beta, g, A)
 
 
@@ -107,7 +101,7 @@ def _bwd(interpret, res, cts):
   dA, dA_T = cts
   # λ_t = dA_t + e^{g_{t+1}} λ_{t+1} (λ_{T+1} = dA_T): the forward recurrence in reversed time, decays shifted.
   g_next = jnp.concatenate([g[:, 1:], jnp.zeros_like(g[:, :1])], axis=1)
-  lam, lam_1 = _scan(jnp.flip(dA, 1), None, jnp.flip(g_next, 1), dA_T, interpret=interpret)
+  lam, lam_1 = scan(jnp.flip(dA, 1), None, jnp.flip(g_next, 1), dA_T, interpret=interpret)
   lam = jnp.flip(lam, 1)
   xf = x.astype(F32)
   b = xf if beta is None else beta[..., None] * xf * xf
@@ -138,16 +132,15 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret: bool 
   if initial_state is not None and initial_state.shape != (b, h, k):
     raise ValueError(f"decayed_sum (pallas gpu): `initial_state` must be [B, H, K] = {(b, h, k)}, got "
                      f"{initial_state.shape}")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  interpret = default_interpret(interpret)
   f32 = lambda a: None if a is None else jnp.asarray(a, F32)
   A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
   return _decayed_sum(x, f32(beta), g, A0, bool(interpret))
 
 
-def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
+def supports(spec: Spec) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked."""
-  return (platform in ("gpu", "cpu")
-          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-          and not getattr(spec, "packed", False))
+  return (spec.platform in ("gpu", "cpu")
+          and spec.dtype in ("float32", "bfloat16")
+          and not spec.packed)

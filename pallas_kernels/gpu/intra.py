@@ -4,7 +4,7 @@ sub-blocks read from refs.
 Decay none / scalar: every C×C score matrix is ONE dot ([C, K] × [K, C]) times a masked pairwise factor
 Γ_ij = [i ≥ j] e^{G_i − G_j} (exponent masked before exp; [i > j] for the strict Gram).
 
-Per-channel decay (DESIGN.md §2), on s×s sub-blocks (s = `BlockSizes.sub`, n = C / s of them):
+Per-channel decay (docs/design.md §2), on s×s sub-blocks (s = `Chunks.sub`, n = C / s of them):
 * off-diagonal (a > b): factored through the reference row r_a = a·s − 1, both factors ≤ 1:
   P_ab = (x_a ⊙ e^{G_a − r_a}) (y_b ⊙ e^{r_a − G_b})ᵀ; the row factor is computed once per row block a;
 * diagonal: factored through the block's middle row m_a, (x_a ⊙ e^{G_a − m_a})(y_a ⊙ e^{m_a − G_a})ᵀ masked,
@@ -18,7 +18,7 @@ T = (I + A)⁻¹ (A strictly lower, given as s×s blocks): the n diagonal blocks
 substitution in ONE loop (n independent chains per step), then T is built as n block rows [s, C]:
   T_a = X_a (E_a − Σ_{m<a} A_am T_m),   X_a = (I + A_aa)⁻¹,  E_a = the rows a·s … of the identity,
 so every later product (W = T·(βK e^G), U = T·(βV)) is a [s, C] × [C, ·] dot. Every dot here that builds T
-is fp32 at HIGHEST precision (IEEE in Triton).
+is an fp32 dot (`chunk_math.dot`: as the launch's `fp32_dots` says when compiled, IEEE in interpret mode).
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def inverse_rows(A, n: int, s: int):
   """T = (I + A)⁻¹ as n block rows [s, C] (C = n·s), for A = {(a, m): s×s} (m ≤ a; diagonal strictly lower).
 
   T_a = X_a (E_a − Σ_{m<a} A_am T_m): column block b < a of it is −X_a Σ_{b≤m<a} A_am T_mb (the block
-  merge), block a is X_a, blocks > a are zero. fp32 at HIGHEST.
+  merge), block a is X_a, blocks > a are zero. fp32 dots.
   """
   c = n * s
   X = invert_diagonal([A[a, a] for a in range(n)])
@@ -122,7 +122,7 @@ class Channel:
   """Per-channel decay of one chunk: G read from `g_ref` [C, K'] (K' the columns this program sees).
 
   s, n: sub-block rows and count; kc: the K chunk of the pairwise diagonal tensors (divides K'); factor:
-  whether diagonal blocks may be factored (`BlockSizes.factor_diag`; False: always pairwise).
+  whether diagonal blocks may be factored (`Diagonal.factor`; False: always pairwise).
   """
 
   def __init__(self, g_ref, s: int, n: int, kc: int, factor: bool = True):

@@ -5,7 +5,7 @@
     "atq": y_t = q_t / (A_t + λ)
 
 `precond_key` has the results of `osdn_jax.dgps.precond.pdn_write_key` / `atq_query` (y, A_T) for unpacked
-sequences and never writes A [B, T, H, K]. Chunks of C tokens (`KeyBlocks.chunk`), G the in-chunk cumsum of g,
+sequences and never writes A [B, T, H, K]. Chunks of C tokens (`Config.chunk`), G the in-chunk cumsum of g,
 G_C its total; every kernel but `decayed_sum` has the grid (B, H, NC, K/BK) and no loop:
   1. `summaries`: s_c = Σ_{j∈c} e^{G_C − G_j} b_j [B, NC, H, K] (weights from XLA, a column sum of a [C, BK] load);
   2. the carries A_end[c] = e^{G_C(c)} A_end[c−1] + s_c (A_end[−1] = A_0): the `decayed_sum` kernel on these
@@ -23,10 +23,9 @@ Every factor is e^{g}, e^{G} or e^{G_C − G} ≤ 1: nothing to mask, nothing ov
 loaded before the first store (a load after a store to a ref that may alias it is not issued early).
 T is zero-padded to a multiple of C (b = 0, g = 0 leave A unchanged, so A_T is exact), K to a power of two ≥ 16.
 
-Rows rather than the dot form A = Γ b + e^{G} A_in: on an H200 (B=4, T=4096, H=16, K=128, bf16) that [64, 64] ×
-[64, 64] TF32x3 dot made `apply` 0.23 ms against 0.08 ms without it (0.06 ms for a plain load/store kernel). With
-rows, C = 16, BK = 128, 2 warps: 0.14 ms forward, 0.45 ms forward+backward (pdn; the `decayed_sum` path took
-0.32 / 0.88); C = 32 and 64 hold more rows than the registers of `grads` do (0.57 and 1.3 ms forward+backward).
+The rows run one by one rather than as the dot form A = Γ b + e^{G} A_in: the kernels are memory-bound, and the
+fp32 [C, C] dot would cost more than the whole pass (docs/benchmarks.md). Wider chunks hold more rows than the
+registers of `grads` do.
 """
 from __future__ import annotations
 
@@ -42,53 +41,43 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu import decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
-from pallas_kernels.gpu.config import padded_dim, pallas_call
+from pallas_kernels.gpu.common import SQUEEZED as _SQ
+from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
+from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec, is_pow2
 
-_SQ = getattr(pl, "squeezed", None)
-LOG_DECAY_FLOOR = decayed_sum.LOG_DECAY_FLOOR
 TRANSFORMS = ("pdn", "atq")
 
 
-def _pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
-class KeyBlocks:
-  """Launch parameters (speed only, not numerics up to fp32 summation order).
-
-  chunk:    tokens per program (C); the recurrence runs row by row over them in registers.
-  block_k:  K columns per program (clamped to the padded K).
-  warps:    Triton num_warps of every kernel (no loops: num_stages = 1).
-  The defaults measured fastest of 10 points on an H200 (C ∈ {16, 32, 64}, BK ∈ {32, 64, 128}, 1–8 warps).
-  Interpret mode runs C = 4 (`INTERPRET_BLOCKS`): unrolled rows only cost compile time there.
-  """
-  chunk: int = 16
-  block_k: int = 128
-  warps: int = 2
+class Config:
+  """Launch parameters (speed only, not numerics up to fp32 summation order); the defaults were measured fastest
+  on an H200, interpret mode runs C = 4 (`INTERPRET`: unrolled rows only cost compile time there)."""
+  chunk: int = 16                 # tokens per program (C); the recurrence runs row by row over them in registers
+  block_k: int = 128              # K columns per program (clamped to the padded K)
+  warps: int = 2                  # num_warps of every kernel (no loops: num_stages = 1)
 
   def __post_init__(self):
     for name in ("chunk", "block_k", "warps"):
-      if not _pow2(getattr(self, name)):
-        raise ValueError(f"KeyBlocks.{name}={getattr(self, name)} must be a power of two")
+      if not is_pow2(getattr(self, name)):
+        raise ValueError(f"Config.{name}={getattr(self, name)} must be a power of two")
     if not 4 <= self.chunk <= 64:
-      raise ValueError(f"KeyBlocks.chunk={self.chunk} must be in [4, 64]")
+      raise ValueError(f"Config.chunk={self.chunk} must be in [4, 64]")
     if not 16 <= self.block_k <= 256:
-      raise ValueError(f"KeyBlocks.block_k={self.block_k} must be in [16, 256]")
+      raise ValueError(f"Config.block_k={self.block_k} must be in [16, 256]")
 
 
-DEFAULT_BLOCKS = KeyBlocks()
-INTERPRET_BLOCKS = KeyBlocks(chunk=4)
+DEFAULT = Config()
+INTERPRET = Config(chunk=4)
 
 
 @dataclasses.dataclass(frozen=True)
 class Static:
-  """The non-differentiable part of one call (hashable): the transform and its constants, blocks, interpret."""
+  """The non-differentiable part of one call (hashable): the transform and its constants, launch config, interpret."""
   transform: str          # "pdn" | "atq"
   x: float
   eps: float
   lam: float
-  blocks: KeyBlocks
+  config: Config
   interpret: bool
 
   @property
@@ -219,34 +208,28 @@ class _Prep(NamedTuple):
   A0: jax.Array
 
 
-def _pad(x, axis, size):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return x if x.shape[axis] == size else jnp.pad(x, pad)
-
-
 def _pad_tokens(x, tp, kp):
-  return _pad(_pad(x, 1, tp), 3, kp)
+  return pad_axis(pad_axis(x, 1, tp), 3, kp)
 
 
 def _prepare(k, q, beta, g, A0, centre, st):
   b, t, h, kd = k.shape
-  c = st.blocks.chunk
+  c = st.config.chunk
   tp, kp = -(-t // c) * c, padded_dim(kd)
   nc = tp // c
-  head_major = lambda x: jnp.swapaxes(_pad(x, 1, tp), 1, 2)                           # [B, H, Tp]
+  head_major = lambda x: jnp.swapaxes(pad_axis(x, 1, tp), 1, 2)                           # [B, H, Tp]
   g, beta = head_major(g), head_major(beta)
   G = jnp.cumsum(g.reshape(b, h, nc, c), axis=-1)
   w = beta.reshape(b, h, nc, c) * jnp.exp(G[..., -1:] - G)
   p = jnp.broadcast_to(centre[:, None], (h, kp)) if st.pdn else _pad_tokens(q, tp, kp)
   return _Prep(k=_pad_tokens(k, tp, kp), p=p, beta=beta, g=g, G=G.reshape(b, h, tp), w=w.reshape(b, h, tp),
-               G_C=jnp.swapaxes(G[..., -1], 1, 2), A0=_pad(A0, 2, kp))
+               G_C=jnp.swapaxes(G[..., -1], 1, 2), A0=pad_axis(A0, 2, kp))
 
 
 def _specs(prep, st):
   """BlockSpecs over the grid (b, h, c, l), and the grid."""
   b, tp, h, kp = prep.k.shape
-  c, bk = st.blocks.chunk, min(st.blocks.block_k, kp)
+  c, bk = st.config.chunk, min(st.config.block_k, kp)
   tokens = pl.BlockSpec((_SQ, c, _SQ, bk), lambda i, j, n, l: (i, n, j, l))          # [B, Tp, H, Kp]
   gates = pl.BlockSpec((_SQ, _SQ, c), lambda i, j, n, l: (i, j, n))                  # [B, H, Tp]
   chunks = pl.BlockSpec((_SQ, _SQ, _SQ, bk), lambda i, j, n, l: (i, n, j, l))        # [B, NC, H, Kp]
@@ -262,7 +245,7 @@ def _launch(kernel, prep, st, ins, outs, name):
   specs, grid = _specs(prep, st)
   return pallas_call(functools.partial(kernel, st), grid=grid, in_specs=[specs[s] for _, s in ins],
                      out_specs=[specs[s] for _, s in outs], out_shape=[o for o, _ in outs],
-                     interpret=st.interpret, num_warps=st.blocks.warps, num_stages=1, name=name)(
+                     interpret=st.interpret, num_warps=st.config.warps, num_stages=1, name=name)(
                          *(a for a, _ in ins))
 
 
@@ -280,14 +263,14 @@ def _summaries(prep, st):
 def _carries(prep, st):
   """(A_in [B, NC, H, Kp]: the state entering every chunk, A_T [B, H, Kp]) by `decayed_sum` over chunks."""
   # The unclamped `_scan`: chunk totals G_C may lie far below the −30 floor of per-token log-decays.
-  A_end, A_T = decayed_sum._scan(_summaries(prep, st), None, prep.G_C, prep.A0, interpret=st.interpret)
+  A_end, A_T = decayed_sum.scan(_summaries(prep, st), None, prep.G_C, prep.A0, interpret=st.interpret)
   return jnp.concatenate([prep.A0[:, None], A_end[:, :-1]], axis=1), A_T
 
 
 def _reverse_carries(s_grad, prep, dA_T, st):
   """ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T, as the forward recurrence on the chunk-reversed arrays.
   Returns (ν_{c+1} for every chunk c [B, NC, H, Kp], ν_0 = dA_0 [B, H, Kp])."""
-  nu, nu_0 = decayed_sum._scan(jnp.flip(s_grad, 1), None, jnp.flip(prep.G_C, 1), dA_T, interpret=st.interpret)
+  nu, nu_0 = decayed_sum.scan(jnp.flip(s_grad, 1), None, jnp.flip(prep.G_C, 1), dA_T, interpret=st.interpret)
   return jnp.concatenate([jnp.flip(nu, 1)[:, 1:], dA_T[:, None]], axis=1), nu_0
 
 
@@ -351,7 +334,7 @@ def _bwd(st, res, cts):
   b, t, h, kd = k.shape
   tp, kp = prep.k.shape[1], prep.k.shape[3]
   dy = _pad_tokens(dy, tp, kp)
-  nu_next, dA0 = _reverse_carries(_carry_grad(prep, A_in, dy, st), prep, _pad(dA_T.astype(F32), 2, kp), st)
+  nu_next, dA0 = _reverse_carries(_carry_grad(prep, A_in, dy, st), prep, pad_axis(dA_T.astype(F32), 2, kp), st)
   outs = _grads(prep, A_in, dy, nu_next, st, None if st.pdn else q.dtype)
   if st.pdn:
     dk, dbeta, dg, dc = outs
@@ -394,23 +377,22 @@ def _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
 
 
 def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
-                initial_state=None, blocks: KeyBlocks | None = None, interpret: bool | None = None):
+                initial_state=None, config: Config | None = None, interpret: bool | None = None):
   """PDN's write key M(A_t) ⊙ k_t ("pdn") or ATQ's query q_t / (A_t + λ) ("atq"), and A_T.
 
   k [B, T, H, K] and q (atq) [B, T, H, K] (fp32 or bf16, read as is); beta, log_decay [B, T, H]; center (pdn)
   scalar or [H]; x, eps (pdn) and lam (atq) static numbers; initial_state A_0 [B, H, K] (default 0). Computes
   in fp32; log_decay is clamped at −30 like every log-decay of the solves. Returns (y [B, T, H, K] in k's
   (pdn) / q's (atq) dtype, A_T [B, H, K] fp32), as `precond.pdn_write_key` / `precond.atq_query`.
-  Differentiable w.r.t. k, q, beta, log_decay, center and initial_state. blocks: launch parameters (None:
-  DEFAULT_BLOCKS compiled, INTERPRET_BLOCKS in interpret mode); interpret: None runs interpret mode on a CPU
+  Differentiable w.r.t. k, q, beta, log_decay, center and initial_state. config: launch parameters (None:
+  DEFAULT compiled, INTERPRET in interpret mode); interpret: None runs interpret mode on a CPU
   backend.
   """
   _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
   b, _, h, kd = k.shape
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  blocks = blocks or (INTERPRET_BLOCKS if interpret else DEFAULT_BLOCKS)
-  st = Static(transform, float(x), float(eps), float(lam), blocks, bool(interpret))
+  interpret = default_interpret(interpret)
+  config = config or (INTERPRET if interpret else DEFAULT)
+  st = Static(transform, float(x), float(eps), float(lam), config, interpret)
   f32 = lambda a: jnp.asarray(a, F32)
   A0 = jnp.zeros((b, h, kd), F32) if initial_state is None else f32(initial_state)
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
@@ -418,10 +400,10 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, centre, st)
 
 
-def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
+def supports(spec: Spec) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked; static
-  transform constants (spec.static_params, default True)."""
-  return (platform in ("gpu", "cpu")
-          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-          and not getattr(spec, "packed", False)
-          and getattr(spec, "static_params", True))
+  transform constants."""
+  return (spec.platform in ("gpu", "cpu")
+          and spec.dtype in ("float32", "bfloat16")
+          and not spec.packed
+          and spec.static_params)

@@ -1,7 +1,7 @@
 """Packed sequences for the GPU kernels: every segment moved to start on a chunk boundary of one row.
 
-With `segment_ids` [B, T] (the convention of `osdn_jax.ops.packing`: a segment is a maximal run of equal ids
-in a row, numbered n = 0..N-1 in row-major order), segment n's tokens go to positions base_n + 0, 1, … of a
+With segment numbers [B, T] (n = 0..N−1 in row-major order: `osdn_jax.ops.packing.segment_index` of the
+caller's `segment_ids`), segment n's tokens go to positions base_n + 0, 1, … of a
 single row of static length L = ⌈(B·T + N·(C − 1)) / C⌉·C, where base_n is a multiple of the chunk C and the
 gaps are zero tokens (β = 0, g = 0: they leave the state unchanged). No chunk then holds two segments, so
 every chunk-parallel kernel runs unchanged; only the two state passes reset. They read one int32 array
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from osdn_jax.ops import packing
 
 
 def row_length(tokens: int, num_segments: int, chunk: int) -> int:
@@ -24,12 +23,12 @@ def row_length(tokens: int, num_segments: int, chunk: int) -> int:
   return -(-(tokens + num_segments * (chunk - 1)) // chunk) * chunk
 
 
-def chunk_aligned(segment_ids, num_segments: int, chunk: int):
-  """→ (pos [B·T] int32 positions in the row, info [L/C + N + 1] int32 (the module docstring), present [N]
-  bool: segment n has tokens)."""
-  b, t = segment_ids.shape
+def chunk_aligned(segments, num_segments: int, chunk: int):
+  """segments [B, T] int segment numbers → (pos [B·T] int32 positions in the row, info [L/C + N + 1] int32 (the
+  module docstring), present [N] bool: segment n has tokens)."""
+  b, t = segments.shape
   n = num_segments
-  seg = jnp.minimum(packing.segment_index(segment_ids).reshape(-1), n - 1)   # more than N segments: clamped
+  seg = jnp.minimum(segments.reshape(-1).astype(jnp.int32), n - 1)          # more than N segments: clamped
   lens = jnp.zeros((n,), jnp.int32).at[seg].add(1)
   chunks = (lens + chunk - 1) // chunk
   end = jnp.cumsum(chunks)                                                  # past each segment's last chunk

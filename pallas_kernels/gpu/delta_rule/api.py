@@ -1,6 +1,7 @@
 """The Pallas GPU delta rule: padding, the in-chunk decay cumsum, one `jax.custom_vjp` around the kernels.
 
-`delta_rule` has the signature and results of `osdn_jax.ops.chunked.delta_rule`. In the wrapper (plain
+`delta_rule` computes `osdn_jax.ops.delta_rule` (the contract; `osdn_jax.ops.chunked.delta_rule` has this
+signature). In the wrapper (plain
 JAX, differentiated by autodiff): T is zero-padded to a multiple of the chunk (β = 0, g = 0: the padded
 tokens leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed
 within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum; per channel both in the
@@ -17,11 +18,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import chunk_cumsum, delta_rule_bwd, delta_rule_fwd, packed
-from pallas_kernels.gpu.config import CHUNK_SIZES, DEFAULT_BLOCKS, MAX_DIM, BlockSizes, padded_dim
-from pallas_kernels.gpu.layout import Static
+from pallas_kernels.gpu.common import MAX_DIM, default_interpret, pad_axis, padded_dim
+from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics, packed
+from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
+from pallas_kernels.gpu.delta_rule.layout import Static
+from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
 
-LOG_DECAY_FLOOR = -30.0
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -30,16 +32,16 @@ def _solve(st: Static, q, k, kw, v, beta, G, g, S0, info):
   """g: the padded per-channel log-decays when st.forward_chunk (else None). A forward that is not
   differentiated cumsums them within chunks of st.forward_chunk here and runs at that chunk; under autodiff g is
   unused and its cotangent a symbolic zero (computed outside, the wide cumsum's backward kernel would run on
-  materialised zeros: H200, KDA forward+backward 0.25 ms)."""
+  materialised zeros)."""
   if g is not None:
     G = chunk_cumsum.chunk_cumsum(g, st.forward_chunk, LOG_DECAY_FLOOR, interpret=st.interpret)
     st = dataclasses.replace(st, chunk=st.forward_chunk, forward_chunk=0)
-  return delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
+  return forward.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info)
 
 
 def _solve_fwd(st, q, k, kw, v, beta, G, g, S0, info):
   del g
-  o, S_T, T = delta_rule_fwd.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
+  o, S_T, T = forward.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
   return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
 
@@ -52,7 +54,7 @@ def _group_sum(x, heads):
 def _solve_bwd(st, res, cts):
   q, k, kw, v, beta, G, S0, info, T = res
   do, dS_T = cts
-  dq, dk, dkw, dv, dbeta, dG, dS0 = delta_rule_bwd.backward(
+  dq, dk, dkw, dv, dbeta, dG, dS0 = backward.backward(
       st, (q, k, k if kw is None else kw, v, beta, G, S0, info, T), do, dS_T)
   dq, dk = _group_sum(dq, st.heads).astype(q.dtype), _group_sum(dk, st.heads).astype(k.dtype)
   if kw is not None:
@@ -63,14 +65,6 @@ def _solve_bwd(st, res, cts):
 _solve.defvjp(_solve_fwd, _solve_bwd)
 
 
-def _pad_to(x, axis, size):
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
 def _chunk_cumsum(g, chunk):
   """Inclusive cumsum within chunks along axis 1 of scalar log-decays g [B, T, HV] (T a multiple of chunk).
   Per-channel log-decays go through `chunk_cumsum` (a Pallas kernel pair)."""
@@ -78,10 +72,10 @@ def _chunk_cumsum(g, chunk):
   return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "blocks", "interpret",
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "config", "interpret",
                                              "low_precision", "num_segments"))
 def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, *, scale, chunk_size,
-                forward_chunk, blocks, interpret, low_precision, num_segments):
+                forward_chunk, config, interpret, low_precision, num_segments):
   b, t, h, kd = q.shape
   hv, vd = v.shape[2:]
   dtype = q.dtype
@@ -100,34 +94,34 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
     scale = 1.0
 
   def tokens(x, width):
-    return _pad_to(_pad_to(x, 1, tp), 3, width)
+    return pad_axis(pad_axis(x, 1, tp), 3, width)
 
   q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
   kw = None if k_write is None else tokens(k_write.astype(dtype), kp)
-  beta = jnp.swapaxes(_pad_to(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
+  beta = jnp.swapaxes(pad_axis(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
   g_wide = None
   if log_decay is None:
     decay, G = "none", None
   else:
     if log_decay.ndim == 3:
-      g = _pad_to(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
+      g = pad_axis(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
       decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
     else:                                 # [B, T, HV, K]: the floor and the cumsum in one Pallas pass
       g = log_decay if log_decay.dtype in SUPPORTED_DTYPES else log_decay.astype(jnp.float32)   # fp16, fp64
-      g = _pad_to(_pad_to(g, 1, tp), 3, kp)
+      g = pad_axis(pad_axis(g, 1, tp), 3, kp)
       decay, G = "channel", chunk_cumsum.chunk_cumsum(g, chunk_size, LOG_DECAY_FLOOR, interpret=interpret)
       g_wide = g if forward_chunk else None
   if initial_state is None:
     S0 = jnp.zeros((n_seg or b, hv, kp, vp), jnp.float32)
   else:
-    S0 = _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, kp), 3, vp)
+    S0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, kp), 3, vp)
   S0_in = S0
   if n_seg:                               # [N, HV, K, V] → [1, HV, N·K, V] (segments without tokens: zeros)
     S0_in = jnp.where(present[:, None, None, None], S0, 0.0)
     S0_in = jnp.swapaxes(S0_in, 0, 1).reshape(1, hv, n_seg * kp, vp)
   st = Static(batch=q.shape[0], length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
-              same_keys=kw is None, blocks=blocks, interpret=interpret,
+              same_keys=kw is None, config=config, interpret=interpret,
               low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
               grad_dtype=jnp.dtype(dtype).name, forward_chunk=forward_chunk)
   o, S = _solve(st, q, k, kw, v, beta, G, g_wide, S0_in, info)
@@ -149,32 +143,24 @@ def _static_scale(scale, key_dim):
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
-               segment_ids=None, num_segments=None, blocks: BlockSizes = DEFAULT_BLOCKS,
-               interpret: bool | None = None, bf16_matmuls: bool = True):
+               segment_ids=None, num_segments=None, config: Config = DEFAULT, interpret: bool | None = None,
+               bf16_matmuls: bool = True):
   """Chunkwise online solve with Pallas kernels (Triton on GPU, interpret mode on CPU).
 
   Shapes as `osdn_jax.ops.chunked.delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV];
   k_write [B, T, H or HV, K] (cast to q.dtype); log_decay None, [B, T, HV] or [B, T, HV, K];
   initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
-  Packed (`segment_ids` [B, T], `packed.py`): `num_segments` N must be given (static); initial_state and
-  the final states are [N, HV, K, V].
-  `blocks` sets tile sizes and caps the chunk (`BlockSizes.chunk_for`; the chunk changes rounding only): decay
-  none / scalar with fp32 inputs at K > 64 run at 16; per-channel decay under autodiff at 32 for bf16 at K =
-  128, else 16, and 32 when few batch rows × value heads run; an undifferentiated per-channel forward
-  (unpacked) runs at `BlockSizes.chunk_channel_forward` (64), at most `chunk_size`. `interpret` defaults to
-  True on a CPU backend. With bf16 inputs and
-  `bf16_matmuls` (the default), every dot except those that build T = (I + A)⁻¹ and dA takes bf16 operands
-  (fp32 accumulation, fp32 state) and the intermediates are stored in bf16, as in FLA; fp32 inputs run every
-  dot in fp32. fp32 dots run as TF32x3 when compiled (`BlockSizes.fp32_dots`; "ieee" for exact fp32) and in
-  IEEE fp32 in interpret mode.
+  Packed (`packed.py`): `segment_ids` [B, T] are segment numbers 0..N−1 in row-major order
+  (`osdn_jax.ops.packing.segment_index`), `num_segments` N is static, and initial_state and the final states
+  are [N, HV, K, V].
+  `config` sets the launch parameters; `heuristics.chunk` may run a smaller chunk than `chunk_size` (rounding
+  only), and an undifferentiated per-channel forward a wider one (`heuristics.forward_chunk`). `interpret`
+  defaults to True on a CPU backend. With bf16 inputs and `bf16_matmuls` (the default), every dot except those
+  that build T = (I + A)⁻¹ and dA takes bf16 operands (fp32 accumulation, fp32 state) and the intermediates are
+  stored in bf16, as in FLA; fp32 inputs run every dot in fp32. fp32 dots run as `Dots` says when compiled and
+  in IEEE fp32 in interpret mode.
   """
-  blocks.check(chunk_size)
-  decay = "none" if log_decay is None else ("channel" if jnp.ndim(log_decay) == 4 else "scalar")
-  rows = num_segments if segment_ids is not None and num_segments else q.shape[0]
-  requested = chunk_size
-  chunk_size = blocks.chunk_for(decay, chunk_size, rows * v.shape[2], padded_dim(v.shape[-1]),
-                                padded_dim(q.shape[-1]), jnp.dtype(q.dtype).itemsize)
-  forward_chunk = blocks.forward_chunk(decay, requested, chunk_size, segment_ids is not None)
+  config.check(chunk_size)
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
@@ -185,37 +171,38 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
                        f"got {jnp.result_type(segment_ids)} {jnp.shape(segment_ids)}")
     if not num_segments:
       raise ValueError("delta_rule (pallas gpu): with `segment_ids`, `num_segments` (N, static) must be given")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  decay = "none" if log_decay is None else ("channel" if jnp.ndim(log_decay) == 4 else "scalar")
+  rows = num_segments if segment_ids is not None else q.shape[0]
+  chunk = heuristics.chunk(config, decay, chunk_size, dtype=jnp.dtype(q.dtype).name, kdim=padded_dim(q.shape[-1]),
+                           lanes=rows * v.shape[2], vdim=padded_dim(v.shape[-1]))
+  forward_chunk = heuristics.forward_chunk(config, decay, chunk_size, chunk, segment_ids is not None)
   static_scale, scale_arr = _static_scale(scale, q.shape[-1])
   return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids,
-                     scale=static_scale, chunk_size=chunk_size, forward_chunk=forward_chunk, blocks=blocks,
-                     interpret=interpret,
-                     low_precision=bf16_matmuls,
+                     scale=static_scale, chunk_size=chunk, forward_chunk=forward_chunk, config=config,
+                     interpret=default_interpret(interpret), low_precision=bf16_matmuls,
                      num_segments=int(num_segments) if segment_ids is not None else None)
 
 
-def supports(spec, dtype, chunk_size: int, platform: str) -> bool:
-  """Compiled on "gpu"; the same kernels in interpret mode on "cpu"; bf16/fp32, K, V ≤ 256; packed only
-  with a static number of segments."""
-  return (platform in ("gpu", "cpu")
-          and jnp.dtype(dtype) in SUPPORTED_DTYPES
-          and chunk_size in CHUNK_SIZES
+def supports(spec: Spec) -> bool:
+  """Compiled on "gpu"; the same kernels in interpret mode on "cpu"; bf16/fp32, K, V ≤ 256, whole sequences
+  (not one-token steps); packed only with a static number of segments."""
+  return (spec.platform in ("gpu", "cpu")
+          and spec.dtype in ("bfloat16", "float32")
+          and spec.chunk_size in CHUNK_SIZES
           and spec.length is not None
           and 1 <= spec.key_dim <= MAX_DIM and 1 <= spec.value_dim <= MAX_DIM
-          and spec.decay in ("none", "scalar", "channel")
-          and (not getattr(spec, "packed", False) or spec.num_segments is not None))
+          and (not spec.packed or spec.num_segments is not None))
 
 
 def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
-                     segment_ids=None, num_segments=None, blocks: BlockSizes = DEFAULT_BLOCKS,
+                     segment_ids=None, num_segments=None, config: Config = DEFAULT,
                      interpret: bool | None = None, bf16_matmuls: bool = True):
   """The offline solve S_t = D_t S_{t-1} + β_t k_t v_tᵀ with these kernels: it is the online solve with a zero
   erase key and k as the write key (A = 0, T = I, W = 0, V_new = βV), so `delta_rule(q, 0, v, β,
-  k_write=k)` computes it exactly; the kernels' work on the zero Gram is spent for nothing (no kernel of its
-  own yet). Signature and results of `osdn_jax.ops.chunked.linear_attention` (β default 1)."""
+  k_write=k)` computes it exactly (the kernels' work on the zero Gram is spent for nothing). Signature and
+  results of `osdn_jax.ops.chunked.linear_attention` (β default 1)."""
   if beta is None:
     beta = jnp.ones(v.shape[:3], jnp.float32)
   return delta_rule(q, jnp.zeros_like(q), v, beta, k_write=k, log_decay=log_decay, initial_state=initial_state,
                     scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, num_segments=num_segments,
-                    blocks=blocks, interpret=interpret, bf16_matmuls=bf16_matmuls)
+                    config=config, interpret=interpret, bf16_matmuls=bf16_matmuls)

@@ -1,4 +1,4 @@
-"""The tables of OSDN's d-pass block solves (see `osdn._block_solve`, `osdn._block_adjoint`): per block of
+"""The tables of OSDN's d-pass block solves (see `blocks.block_solve`, `blocks.block_adjoint`): per block of
 L = `solve_t` tokens of one (batch, head), everything that depends on the inputs only.
 
 With u_t = k_t ⊙ k_t, n_t, β_t of the block, a_t the retention (1 without APF), α = η β / n, c = η β² / n,
@@ -14,18 +14,10 @@ on K (`_row_products`), (I + A)⁻¹ by 16×16 forward substitution and block me
 triangular solve inside kernels), products of retentions as exp of masked sums of log a (never differences of
 cumulative sums, which lose the small products next to a zero retention).
 
-H200, B=4 T=4096 G=16 K=128, L = 32, r ≡ 1, device time per call (`profile_osdn --trace`, one run): forward
-0.309 ms, backward 0.407 ms; the reference (cuBLAS batched trsm + gemm + XLA transposes) 0.415 ms forward. Before
-the K loop (whole-K dots: Triton's FMA dot kept whole K-rows per thread, 255 registers, 113 MB of spill loads
-per call, 12 % occupancy) the kernel took 0.546 / 0.707 ms; with the loop ncu shows 64 registers, no spills,
-48 % occupancy. TF32×3 dots and num_stages 2 or 3 did not help.
-
 Under differentiation the forward can also form the backward's inverse from the same Gram blocks (`forward(...,
-differentiated=True)` with `DPassBlocks.share_inverse`); the backward then only forms its right-hand side
-(`_rhs_kernel`: the ⟨g, u⟩ blocks, 0.214 ms). The kernel's second inverse costs 0.155 ms (forward 0.309 →
-0.464), so there the reference wins: XLA's batched triangular solves take 0.143 ms each. Whole d-pass, forward /
-forward+backward, r ≡ 1: kernel 0.715 / 1.670, reference 0.799 / 1.609, "auto" (`implementation`: the kernel
-for a forward alone, the reference under differentiation) 0.710 / 1.596 ms.
+differentiated=True)` with `Config.share_inverse`); the backward then only forms its right-hand side
+(`_rhs_kernel`). `Config.tables="auto"` runs the kernel for a forward alone and the reference under
+differentiation, where XLA's batched triangular solves (cuBLAS on a GPU) beat the kernel's second inverse.
 
 Shapes: u, g_ds [B, T, G, K] (K padded), n, beta, r [B, T, G], o [G, K]; only the first NB·L tokens are used
 (NB = T // L); tables [B, NB, G, L, L] and [B, NB, G, L]. fp32.
@@ -40,11 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, masked_exp
-from pallas_kernels.gpu.config import pallas_call
+from pallas_kernels.gpu.common import pallas_call
 from pallas_kernels.gpu.intra import inverse_rows
+from pallas_kernels.gpu.osdn.layout import block_specs
 
 SUB = 16                                 # rows of the sub-blocks of the in-kernel inverse
-_SQ = getattr(pl, "squeezed", None)
 
 
 def log_retention(r):
@@ -139,7 +131,7 @@ KC = 16                                  # columns per step of the K loop of `_r
 def _row_products(pairs, s: int, kdim: int):
   """[Σ_c x[a·s + i, c] y[m·s + j, c]]_ij [s, s] for each (x_ref, a, y_ref, m) in pairs (a list in their
   order): one fori_loop over K in chunks of KC columns, so only [s, KC] tiles are live. (A dot over all K at
-  once makes Triton's FMA dot hold whole K-rows per thread: 255 registers and spills on the H200 at K = 128.)"""
+  once makes Triton's FMA dot hold whole K-rows per thread, which spills registers at K = 128.)"""
   chunks = max(kdim // KC, 1)
   width = kdim // chunks
 
@@ -238,19 +230,6 @@ def _rhs_kernel(st, *refs):
   w_ref[...] = _adjoint_columns(xt, gamma, gu, la, s, tb[0] if tb else None)
 
 
-def block_specs(st):
-  """BlockSpecs of one block of L tokens for a grid (b, g, i) over (B, G, NB): rows of [B, T, G, K] → [L, K],
-  scalars [B, T, G] → [L], tables [B, NB, G, L, L] → [L, L] and [B, NB, G, L] → [L], per-block vectors
-  [B, NB, G, K] → [K], per-head parameters [G, K] → [K]."""
-  L, k = st.solve_t, st.key_dim
-  return dict(rows=pl.BlockSpec((_SQ, L, _SQ, k), lambda b, g, i: (b, i, g, 0)),
-              scal=pl.BlockSpec((_SQ, L, _SQ), lambda b, g, i: (b, i, g)),
-              square=pl.BlockSpec((_SQ, _SQ, _SQ, L, L), lambda b, g, i: (b, i, g, 0, 0)),
-              vec=pl.BlockSpec((_SQ, _SQ, _SQ, L), lambda b, g, i: (b, i, g, 0)),
-              vec_k=pl.BlockSpec((_SQ, _SQ, _SQ, k), lambda b, g, i: (b, i, g, 0)),
-              param=pl.BlockSpec((_SQ, k), lambda b, g, i: (g, 0)))
-
-
 def _shapes(st):
   b, g, L = st.batch, st.heads, st.solve_t
   nb = st.length // L
@@ -269,7 +248,7 @@ def _call(st, backward: bool, shared: bool, u, n, beta, r, extra):
   return pallas_call(
       functools.partial(_tables_kernel, st, backward, shared), grid=grid, in_specs=in_specs,
       out_specs=[square, vec] + [square] * (n_sq - 1), out_shape=[sq, v] + [sq] * (n_sq - 1),
-      interpret=st.interpret, num_warps=st.blocks.warps_tables, num_stages=1, fp32_dots=st.blocks.tables_dots,
+      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots="ieee",
       name="osdn_d_pass_bwd_tables" if backward else "osdn_d_pass_fwd_tables")(*args)
 
 
@@ -281,27 +260,27 @@ def _rhs_call(st, u, r, g_ds, inv_b):
       functools.partial(_rhs_kernel, st), grid=grid,
       in_specs=[rows, rows] + ([scal] if st.has_r else []) + [square],
       out_specs=[vec] + ([square] if st.has_r else []), out_shape=[v] + ([sq] if st.has_r else []),
-      interpret=st.interpret, num_warps=st.blocks.warps_tables, num_stages=1, fp32_dots=st.blocks.tables_dots,
+      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots="ieee",
       name="osdn_d_pass_bwd_rhs")(*([u, g_ds] + ([r] if st.has_r else []) + [inv_b]))
   return (outs[1] if st.has_r else inv_b), outs[0]
 
 
 def implementation(st, differentiated: bool) -> str:
-  """"kernel" or "xla": `DPassBlocks.tables`; "auto" is the kernel for a forward alone and the reference under
+  """"kernel" or "xla": `Config.tables`; "auto" is the kernel for a forward alone and the reference under
   differentiation (one jit then shares the Gram blocks between the forward's and the backward's inverse, and
-  cuBLAS's batched triangular solves beat the kernel's forward substitution; see the module docstring)."""
-  if st.blocks.tables == "auto":
+  batched triangular solves beat the kernel's forward substitution there)."""
+  if st.config.tables == "auto":
     return "xla" if differentiated else "kernel"
-  return st.blocks.tables
+  return st.config.tables
 
 
 def forward(st, u, n, beta, r, o, differentiated: bool = False):
   """(tf, wf, Γ or None, saved) of every block (see the module docstring); o [G, K] for anchor "init", else None.
-  differentiated: the custom_vjp's forward rule; then with `DPassBlocks.share_inverse` saved holds what
+  differentiated: the custom_vjp's forward rule; then with `Config.share_inverse` saved holds what
   `backward` reuses, (tb or None, ib, Γ or None): ib [B, NB, G, L, L] = (I + Mᵀ diag(c))⁻¹ from the same Gram
   blocks (the kernel's saved tuple is (None, ib, None): its backward forms tb itself); else saved is None."""
   o = o if st.has_o else None
-  share = differentiated and st.blocks.share_inverse
+  share = differentiated and st.config.share_inverse
   if implementation(st, differentiated) == "xla":
     tf, wf, tb, inv_b, gamma = reference(st, u, n, beta, r, o)
     return tf, wf, (gamma if st.has_r else None), ((tb, inv_b, gamma) if share else None)

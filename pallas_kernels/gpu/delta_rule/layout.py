@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.config import STATE_PROGRAMS, BlockSizes
-
-_SQ = getattr(pl, "squeezed", None)      # a squeezed block dim (None in older JAX)
+from pallas_kernels.gpu.common import SQUEEZED as _SQ
+from pallas_kernels.gpu.delta_rule import heuristics
+from pallas_kernels.gpu.delta_rule.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Static:
   decay: str           # "none" | "scalar" | "channel"
   scale: float
   same_keys: bool      # k_write is k (the kernels read k twice; dk_write is added to dk)
-  blocks: BlockSizes
+  config: Config
   interpret: bool
   low_precision: bool = False   # bf16 operands (fp32 accumulation) for the dots that do not build T,
                                 # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
@@ -50,7 +50,7 @@ class Static:
   grad_dtype: str = "float32"   # dtype of q, k, v: the backward writes dq, dk, dk_write, dv in it where the
                                 # wrapper does not sum head groups afterwards (no fp32 round trip through HBM)
   forward_chunk: int = 0        # per-channel decay: the chunk of the forward when it is not differentiated
-                                # (`BlockSizes.chunk_channel_forward`; 0: the same as chunk)
+                                # (`heuristics.forward_chunk`; 0: the same as chunk)
 
   @property
   def mm(self):
@@ -62,9 +62,9 @@ class Static:
 
   @property
   def fp32_dots(self):
-    """How the kernels' fp32 dots run when compiled (`BlockSizes.fp32_dots`, or `fp32_dots_bf16` for bf16
-    inputs under `low_precision`)."""
-    return self.blocks.fp32_dots_bf16 if self.low_precision else self.blocks.fp32_dots
+    """How the kernels' fp32 dots run when compiled (`Dots.bf16` for bf16 inputs under `low_precision`, else
+    `Dots.fp32`)."""
+    return self.config.dots.bf16 if self.low_precision else self.config.dots.fp32
 
   @property
   def dq_dtype(self):
@@ -82,59 +82,28 @@ class Static:
 
   @property
   def sub(self) -> int:
-    return self.blocks.sub
+    return self.config.chunks.sub
 
   @property
   def num_sub(self) -> int:
-    return self.chunk // self.blocks.sub
+    return self.chunk // self.sub
 
   def key_head(self, h):
     return lax.div(h, jnp.asarray(self.value_heads // self.heads, h.dtype))
 
+  def kw_head(self, h):
+    return lax.div(h, jnp.asarray(self.value_heads // self.kw_heads, h.dtype))
+
   @property
   def stages(self) -> int:
-    """Triton num_stages: 1 when K or V > 128 (pipelined buffers of K×V tiles would not fit shared memory) and
-    when the intermediates are fp32 (fp32 inputs, or bf16 without `low_precision`): at K = V = 128 every decay's
-    forward and the none / scalar backward asked 262–393 KB of shared memory at 3 stages on an H200 (232 KB
-    there)."""
-    if max(self.key_dim, self.value_dim) > 128 or not self.low_precision:
-      return 1
-    return self.blocks.stages
-
-  @property
-  def state_block_v(self) -> int:
-    """BV of the sequential state passes (`BlockSizes.v_block`: fewer columns when few rows run)."""
-    return self.blocks.v_block("state", self.value_dim, self.key_dim, self.state_lanes)
-
-  @property
-  def state_k_piece(self) -> int:
-    """Rows of each K piece of the forward state pass's state tile (`BlockSizes.state_k_piece`, ≤ K)."""
-    return min(self.blocks.state_k_piece or self.key_dim, self.key_dim)
+    """Triton num_stages of the chunk-parallel kernels (`heuristics.stages`)."""
+    return heuristics.stages(self.config, self.key_dim, self.value_dim, self.low_precision)
 
   @property
   def state_stages(self) -> int:
-    """num_stages of the sequential state passes: `stages`, but 1 when packed (the per-segment initial state,
-    a [K, BV] fp32 load inside the chunk loop, is pipelined too: an H200 refused stages=3 at K = 128, BV = 64
-    for 329 KB of shared memory)."""
+    """num_stages of the state passes: `stages`, but 1 when packed (the per-segment initial state, a [K, BV]
+    fp32 load inside the chunk loop, would be pipelined too and exceed shared memory)."""
     return 1 if self.segments else self.stages
-
-  @property
-  def predecay(self) -> bool:
-    """Per-channel decay with `BlockSizes.predecay` resolved: the state passes read pre-decayed K̃ (and Q)
-    tiles. "auto": when they run few programs (`BlockSizes.serial`)."""
-    if self.decay != "channel":
-      return False
-    if self.blocks.predecay == "auto":
-      return self.blocks.serial(self.state_lanes, self.value_dim)
-    return bool(self.blocks.predecay)
-
-  @property
-  def scores_first(self) -> bool:
-    """Per-channel decay at a chunk of two sub-blocks or more: the forward forms the chunk's Gram A and its
-    intra output scores in a kernel of their own (`delta_rule_fwd.scores`); prep inverts the given A and the
-    output kernel reads the scores. H200, KDA chunk 32, whole forward emitting T: B=1 T=32768 H=8 3.081 → 2.063
-    ms, B=4 T=4096 H=16 2.431 → 1.429 (with the first `scores`, before its row-block dots)."""
-    return self.decay == "channel" and self.num_sub > 1
 
   @property
   def state_lanes(self) -> int:
@@ -142,24 +111,41 @@ class Static:
     return (self.segments or self.batch) * self.value_heads
 
   @property
+  def state_block_v(self) -> int:
+    """BV of the state passes (`heuristics.state_block_v`)."""
+    return heuristics.state_block_v(self.config, self.value_dim, self.key_dim, self.state_lanes)
+
+  @property
+  def predecay(self) -> bool:
+    """Per-channel decay: the state passes read pre-decayed K̃ (and Q) tiles (`heuristics.predecay`)."""
+    return heuristics.predecay(self.config, self.decay, self.state_lanes, self.value_dim)
+
+  @property
+  def scores_first(self) -> bool:
+    """Per-channel decay at a chunk of two sub-blocks or more: the forward forms the chunk's Gram A and its
+    intra output scores in a kernel of their own (`scores`); prep inverts the given A and the output kernel
+    reads the scores (neither then holds every sub-block's factored operands)."""
+    return self.decay == "channel" and self.num_sub > 1
+
+  @property
   def grad_block_v(self) -> int:
-    """V columns per step of `grads_state` and `grads_intra` (`BlockSizes.block_v_grad_fp32` with fp32
-    intermediates)."""
-    return self.blocks.v_block("grad" if self.low_precision else "grad_fp32", self.value_dim)
+    """V step of `grads_state` and `grads_intra` (`heuristics.grad_block_v`)."""
+    return heuristics.grad_block_v(self.config, self.value_dim, self.low_precision)
 
   @property
   def fuse_inter(self) -> bool:
-    """`BlockSizes.fuse_inter` resolved. "auto" fuses when the chunk states [NC·K, V] in the state dtype would
-    outweigh the fp32 inter-chunk output [T, V] and the state pass runs at least `STATE_PROGRAMS` programs
-    (with fewer, its serial chunk loop is the forward's critical path, and fusing lengthens every step)."""
-    if self.blocks.fuse_inter == "auto":
-      programs = self.state_lanes * (self.value_dim // self.state_block_v)
-      return (self.key_dim * jnp.dtype(self.mm).itemsize > 4 * self.chunk
-              and programs >= STATE_PROGRAMS)
-    return bool(self.blocks.fuse_inter)
+    """The forward's state pass also forms the inter-chunk output (`heuristics.fuse_inter`)."""
+    programs = self.state_lanes * (self.value_dim // self.state_block_v)
+    return heuristics.fuse_inter(self.config, kdim=self.key_dim, state_itemsize=jnp.dtype(self.mm).itemsize,
+                                 chunk=self.chunk, programs=programs)
 
-  def kw_head(self, h):
-    return lax.div(h, jnp.asarray(self.value_heads // self.kw_heads, h.dtype))
+  def k_block(self, width: int) -> int:
+    """A K block of `width` columns clamped to the padded K."""
+    return min(width, self.key_dim)
+
+  def v_block(self, width: int) -> int:
+    """A V block of `width` columns clamped to the padded V."""
+    return min(width, self.value_dim)
 
 
 # BlockSpecs. `where(*grid_indices)` returns (b, h, c, iv): batch, value head, chunk (None: whole sequence)
@@ -320,3 +306,14 @@ def state_pass_outputs(st: Static, bv: int, w, inter: bool = False):
   shapes = [jax.ShapeDtypeStruct((*hv, st.length, st.value_dim), st.mm), middle,
             jax.ShapeDtypeStruct((*hv, max(st.segments, 1) * st.key_dim, st.value_dim), jnp.float32)]
   return specs, shapes
+
+
+def f32(shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def key_grads(st: Static, n_k: int):
+  """Out shapes of the finishing kernels' dq, dk (and dk_write when n_k = 3), [B, T, HV, K]."""
+  shape = (st.batch, st.length, st.value_heads, st.key_dim)
+  dtypes = [st.dq_dtype, st.dq_dtype, st.dkw_dtype][:n_k]
+  return [jax.ShapeDtypeStruct(shape, d) for d in dtypes]

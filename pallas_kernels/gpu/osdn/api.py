@@ -1,0 +1,155 @@
+"""OSDN's sequential d-pass as a Pallas GPU kernel pair: the entry point and its `jax.custom_vjp`.
+
+The recurrence (one (batch, head) row; u_t = k_t ⊙ k_t, n_t = max(‖k_t‖², 1e-12), s_t = ⟨d_t, u_t⟩):
+    coef_t = η β_t (1 − β_t s_t) / n_t
+    d̄_{t+1} = keep_t + coef_t u_t,   keep_t = d_t (r ≡ 1) | r_t d_t (anchor "zero") | o + r_t (d_t − o) ("init")
+    d_{t+1} = clip(d̄_{t+1}, d_min, d_max)                                            (o = d_init [G, K])
+Token t writes with d_t; the results are ds = (d_1 … d_T) [B, T, G, K] and d_{T+1} [B, G, K]. The contract is
+`osdn_jax.dgps.precond.osdn_d_pass(implementation="reference")`, the token-serial `lax.scan`.
+
+⟨d, u⟩ couples all K channels, so d [K] of one head lives in one program's registers (one warp up to K = 128):
+the kernels run one program per (batch, head) over the whole sequence (`forward.py`, `backward.py`). Where the
+clip does not act inside a block of L tokens (unpacked), the block is the unclipped rank-one recurrence, whose
+L × L unit triangular systems depend on the inputs only: `tables.py` forms their inverses for every block at
+once, and the kernels advance one block per step (`blocks.py`), falling back to token by token (`lax.cond`) where
+a block's check fails. Results are those of the token-serial recurrence, up to block rounding, whatever the gates.
+
+Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first token
+and the segment's d_{T+1} is stored at its last; in reverse, λ restarts from the segment's d_{T+1} cotangent at a
+last token and ∂d1[segment] is stored at a first. Segments never span rows, so the (batch, head) programs write
+disjoint rows of the per-segment arrays.
+
+The guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu.common import default_interpret, padded_dim, segment_starts
+from pallas_kernels.gpu.osdn import backward, forward
+from pallas_kernels.gpu.osdn.config import DEFAULT, INTERPRET, Config
+from pallas_kernels.gpu.osdn.layout import Static
+from pallas_kernels.gpu.osdn.loops import F32
+from pallas_kernels.spec import Spec
+
+MAX_KEY_DIM = 256                        # d [K] stays in registers
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _d_pass(st: Static, u, n, beta, r, codes, d1, o):
+  return tuple(forward.forward(st, u, n, beta, r, codes, d1, o)[1][:2])
+
+
+def _d_pass_fwd(st, u, n, beta, r, codes, d1, o):
+  saved, (ds, d_last, *smooth) = forward.forward(st, u, n, beta, r, codes, d1, o, differentiated=True)
+  return (ds, d_last), (u, n, beta, r, codes, o, ds, smooth[0] if smooth else None, saved)
+
+
+def _d_pass_bwd(st, res, cts):
+  u, n, beta, r, codes, o, ds, smooth, saved = res
+  g_ds, g_last = cts
+  du, dn, dbeta, dr, dd1, do = backward.backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last)
+  return du, dn, dbeta, dr, None, dd1, do
+
+
+_d_pass.defvjp(_d_pass_fwd, _d_pass_bwd)
+
+
+def _pad_last(x, size):
+  return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _segment_codes(segments, count: int):
+  """[B, T] int32 codes (segment << 2 | last token << 1 | first token; segments past `count` clamped) and
+  present [count] bool (the segment has tokens), from segment numbers [B, T]."""
+  first = segment_starts(segments)
+  last = jnp.concatenate([first[:, 1:], jnp.ones(first.shape[:1] + (1,), bool)], axis=1)
+  seg = jnp.minimum(segments.astype(jnp.int32), count - 1)
+  present = jnp.zeros((count,), bool).at[seg].set(True)
+  return (seg << 2) | (last.astype(jnp.int32) << 1) | first.astype(jnp.int32), present
+
+
+@functools.partial(jax.jit, static_argnames=("eta", "d_min", "d_max", "mode", "config", "interpret"))
+def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, config, interpret):
+  b, t, g, kd = u.shape
+  kp = padded_dim(kd)
+  count = d1.shape[0] if segment_ids is not None else 0
+  st = Static(batch=b, length=t, heads=g, key_dim=kp, channels=kd, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
+              config=config, interpret=interpret, segments=count)
+  f32 = lambda x: None if x is None else jnp.asarray(x, F32)
+  # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.
+  u, d1 = _pad_last(f32(u), kp), _pad_last(f32(d1), kp)
+  o = _pad_last(jnp.broadcast_to(f32(d_init), (g, kd)), kp) if mode == "init" else None
+  codes, present = None, None
+  if count:      # rows of segments without tokens are neither read nor written by the kernels: zeros
+    codes, present = _segment_codes(segment_ids, count)
+    d1 = jnp.where(present[:, None, None], d1, 0.0)
+  ds, d_last = _d_pass(st, u, f32(n), f32(beta), f32(r) if mode != "none" else None, codes, d1, o)
+  if count:
+    d_last = jnp.where(present[:, None, None], d_last, 0.0)
+  return ds[..., :kd], d_last[..., :kd]
+
+
+def _static_bound(name, x):
+  if x is None:
+    return None
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be a static number, got {x!r}") from e
+
+
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
+           config: Config | None = None, interpret: bool | None = None):
+  """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
+
+  The signature and results of `osdn_jax.dgps.precond.osdn_d_pass`:
+    u [B, T, G, K] (k ⊙ k), n [B, T, G] (max(‖k‖², 1e-12)), beta [B, T, G], retention None (r ≡ 1) or
+    [B, T, G], d1 [B, G, K] (the d of token 1), d_init [G, K] (or broadcastable; used by anchor "init" with
+    a retention); eta, d_min, d_max static numbers (bounds None: unbounded); anchor "zero" | "init".
+  Returns (ds [B, T, G, K], d_{T+1} [B, G, K]), fp32. Differentiable w.r.t. u, n, beta, retention, d1 and
+  d_init (zero gradient through clipped entries). Packed: `segment_ids` [B, T] are segment numbers 0..N−1 in
+  row-major order (`osdn_jax.ops.packing.segment_index`), d1 is [N, G, K], d restarts from d1[n] at segment
+  n's first token, and the second result is each segment's last d [N, G, K] (zeros for segments without tokens).
+  `interpret` defaults to True on a CPU backend; `config` to DEFAULT compiled and INTERPRET in interpret mode.
+  """
+  if u.ndim != 4:
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` must be [B, T, G, K], got shape {u.shape}")
+  b, t, g, kd = u.shape
+  if t < 1:
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` needs T ≥ 1 tokens, got shape {u.shape}")
+  if kd > MAX_KEY_DIM:
+    raise ValueError(f"osdn d_pass (pallas gpu): K = {kd} must be ≤ {MAX_KEY_DIM}")
+  for name, x in (("n", n), ("beta", beta), ("retention", retention)):
+    if x is not None and x.shape != (b, t, g):
+      raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be [B, T, G] = {(b, t, g)}, got {x.shape}")
+  if segment_ids is None and d1.shape != (b, g, kd):
+    raise ValueError(f"osdn d_pass (pallas gpu): `d1` must be [B, G, K] = {(b, g, kd)}, got {d1.shape}")
+  if segment_ids is not None:
+    if segment_ids.shape != (b, t):
+      raise ValueError(f"osdn d_pass (pallas gpu): `segment_ids` must be [B, T] = {(b, t)}, got "
+                       f"{segment_ids.shape}")
+    if d1.ndim != 3 or d1.shape[1:] != (g, kd) or d1.shape[0] < 1:
+      raise ValueError(f"osdn d_pass (pallas gpu): packed, `d1` must be [N, G, K] with G, K = {(g, kd)}, got "
+                       f"{d1.shape}")
+  if anchor not in ("zero", "init"):
+    raise ValueError(f"osdn d_pass (pallas gpu): `anchor` must be 'zero' or 'init', got {anchor!r}")
+  eta = _static_bound("eta", eta)
+  d_min, d_max = _static_bound("d_min", d_min), _static_bound("d_max", d_max)
+  interpret = default_interpret(interpret)
+  config = config or (INTERPRET if interpret else DEFAULT)
+  mode = "none" if retention is None else anchor
+  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, eta=eta, d_min=d_min, d_max=d_max,
+              mode=mode, config=config, interpret=interpret)
+
+
+def supports(spec: Spec) -> bool:
+  """Compiled on "gpu", interpret mode on "cpu"; fp32 (the d-pass's compute dtype for fp32 and bf16 keys),
+  K ≤ 256, packed or not; the clip's bounds and η static numbers."""
+  return (spec.platform in ("gpu", "cpu")
+          and spec.dtype == "float32"
+          and 1 <= spec.key_dim <= MAX_KEY_DIM
+          and spec.static_params)
