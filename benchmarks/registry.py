@@ -64,34 +64,9 @@ class Variant:
 DEFAULT = Variant("default")
 
 
-def _value(raw: str):
-  words = {"True": True, "False": False, "None": None}
-  if raw in words:
-    return words[raw]
-  try:
-    return int(raw)
-  except ValueError:
-    return raw
-
-
-def _replace(base, items):
-  """`base` (a frozen Config dataclass) with "field=value" items replaced; ValueError naming an unknown field."""
-  fields = {f.name for f in dataclasses.fields(base)}
-  changes = {}
-  for item in items:
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep:
-      raise ValueError(f"{item!r} is not 'field=value'")
-    if key not in fields:
-      raise ValueError(f"{type(base).__name__}: unknown field {key!r} (fields: {', '.join(sorted(fields))})")
-    changes[key] = _value(raw.strip())
-  return dataclasses.replace(base, **changes)
-
-
 def family_config(family: str, items=()):
-  """The family's default Config (as the kernel picks it on this backend) with `items` "field=value" applied
-  (delta_rule: "group.field=value", `Config.override`)."""
+  """The family's default Config (as the kernel picks it on this backend) with `items` applied (`Config.override`:
+  "field=value", for delta_rule "group.field=value")."""
   from pallas_kernels.gpu.common import default_interpret
   if family == "delta_rule":
     from pallas_kernels.gpu import delta_rule
@@ -102,7 +77,7 @@ def family_config(family: str, items=()):
     from pallas_kernels.gpu import precond_key as module
   else:
     raise ValueError(f"unknown kernel family {family!r}: one of {FAMILIES}")
-  return _replace(module.INTERPRET if default_interpret(None) else module.DEFAULT, items)
+  return (module.INTERPRET if default_interpret(None) else module.DEFAULT).override(*items)
 
 
 def parse_variant(text: str) -> Variant:
@@ -185,15 +160,35 @@ def _component_inputs(names):
   return inputs
 
 
-def _d_pass_inputs(shape, seed=0):
-  """The d-pass's inputs from unit keys k: u = k ⊙ k, n = max(‖k‖², 1e-12); β = σ(N); r = σ(N + 4); d1 and
-  d_init ones."""
-  b, t, g, kd = shape
-  rng = np.random.default_rng(seed)
-  k = _unit(rng.normal(size=(b, t, g, kd)))
-  u = k * k
-  return _f32(dict(u=u, n=np.maximum(u.sum(-1), 1e-12), beta=_sig(rng.normal(size=(b, t, g))),
-                   r=_sig(rng.normal(size=(b, t, g)) + 4), d1=np.ones((b, g, kd)), d_init=np.ones((g, kd))))
+def _state_inputs(decay: str):
+  """Inputs of an unpacked solve with states: unit q, k; v ~ N(0, 1); β = σ(N); S0 ~ N(0, 1/K); log-decays
+  logσ(N + 4) (none, per head or per channel)."""
+  def inputs(shape, seed=0):
+    b, t, h, d = shape
+    rng = np.random.default_rng(seed)
+    x = dict(q=_unit(rng.normal(size=(b, t, h, d))), k=_unit(rng.normal(size=(b, t, h, d))),
+             v=rng.normal(size=(b, t, h, d)), beta=_sig(rng.normal(size=(b, t, h))),
+             S0=rng.normal(size=(b, h, d, d)) / np.sqrt(d))
+    if decay != "none":
+      x["g"] = _logsig(rng.normal(size=(b, t, h) + ((d,) if decay == "channel" else ())) + 4)
+    return _f32(x)
+  return inputs
+
+
+def _d_pass_inputs(retention: bool):
+  """The d-pass's inputs from unit keys k: u = k ⊙ k, n = max(‖k‖², 1e-12); β = σ(N); r = σ(N + 4) (with a
+  retention); d1 and d_init ones."""
+  def inputs(shape, seed=0):
+    b, t, g, kd = shape
+    rng = np.random.default_rng(seed)
+    k = _unit(rng.normal(size=(b, t, g, kd)))
+    u = k * k
+    x = dict(u=u, n=np.maximum(u.sum(-1), 1e-12), beta=_sig(rng.normal(size=(b, t, g))),
+             r=_sig(rng.normal(size=(b, t, g)) + 4), d1=np.ones((b, g, kd)), d_init=np.ones((g, kd)))
+    if not retention:
+      del x["r"]
+    return _f32(x)
+  return inputs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,9 +265,16 @@ def _atq_query(impl, variant):
   return f
 
 
+def _with_states(impl, variant):
+  def f(x):
+    return _solve(impl, variant, x["q"], x["k"], x["v"], x["beta"], log_decay=x.get("g"), initial_state=x["S0"],
+                  output_final_state=True)
+  return f
+
+
 def _d_pass(impl, variant):
   def f(x):
-    args = (x["u"], x["n"], x["beta"], x["r"], x["d1"], x["d_init"])
+    args = (x["u"], x["n"], x["beta"], x.get("r"), x["d1"], x["d_init"])
     if variant.family == "osdn":
       from pallas_kernels.gpu import osdn
       return osdn.d_pass(*args, config=variant.config, **D_PASS)
@@ -354,6 +356,11 @@ OPS = {op.name: op for op in (
     _e2e("pkda", "PDN write key + KDA", "channel", "pdn", fla="chunk_precond_kda"),
     _e2e("osdn", "OSDN write key (clip [0, 8]) + DeltaNet", "none", "osdn"),
     _e2e("osdn-apf", "OSDN write key with APF retention (clip [0, 8]) + DeltaNet", "none", "osdn", retention=True),
+    *(_component(f"{name}_state", f"ops.delta_rule with an initial state and the final state, {doc}",
+                 ("q", "k", "v", "beta", "S0") + (("g",) if decay != "none" else ()), ("q", "k", "v"), ("o", "S"),
+                 _with_states, families=("delta_rule",), inputs=_state_inputs(decay))
+      for name, decay, doc in (("dn", "none", "no decay"), ("gdn", "scalar", "per-head decay"),
+                               ("kda", "channel", "per-channel decay"))),
     _component("packed", "ops.delta_rule packed: random segments, per-segment initial states, per-head decay, "
                "separate write keys", ("q", "k", "kw", "v", "beta", "g", "S0", "segment_ids"),
                ("q", "k", "kw", "v"), ("o", "S"), _packed, families=("delta_rule",)),
@@ -367,7 +374,10 @@ OPS = {op.name: op for op in (
     # Clipped, the XLA path of the d-pass is the token-serial scan, as the reference (any T).
     _component("d_pass", "precond.osdn_d_pass: APF retention, anchor 'init', clip [0, 8] (fp32)",
                ("u", "n", "beta", "r", "d1", "d_init"), (), ("ds", "d_last"), _d_pass, families=("osdn",),
-               reference_max_t=None, inputs=_d_pass_inputs),
+               reference_max_t=None, inputs=_d_pass_inputs(True)),
+    _component("d_pass_r1", "precond.osdn_d_pass without retention (r ≡ 1, vanilla OSDN), clip [0, 8] (fp32)",
+               ("u", "n", "beta", "d1", "d_init"), (), ("ds", "d_last"), _d_pass, families=("osdn",),
+               reference_max_t=None, inputs=_d_pass_inputs(False)),
     _component("osdn_packed", "precond.osdn_write_key packed: APF retention, per-segment initial d, clip [0, 8]",
                ("k", "beta", "r", "d0", "segment_ids"), ("k",), ("k_write", "d_last"), _osdn_packed,
                reference_max_t=None),

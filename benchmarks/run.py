@@ -13,12 +13,13 @@ and optionally
 measured; a failure (a compile error, FLA refusing a backward) is recorded in its row and the run goes on. A row
 replaces the row of an earlier run with the same (shape, op, mode, impl, variant, dtype, precision). At the end,
 one table per mode: ms per implementation, the ratio to the row's baseline (FLA where measured, else xla), MB,
-and the largest relative error.
+and the largest relative error. With FLA in the process, set XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX otherwise
+takes 75 % of the GPU's memory before torch allocates anything).
 
   python -m benchmarks.run --shapes=main,long --ops=dn,gdn,kda --impls=xla,pallas       # ours ÷ FLA, bf16
   python -m benchmarks.run --shapes=main --ops=kda --impls=pallas --fla=false \\
       --variants=default,delta_rule:state.block_v=32+grads.warps_intra=4 --profile
-  python -m benchmarks.run --ops=d_pass --impls=reference,pallas --variants=default,osdn:solve_t=0 --check
+  python -m benchmarks.run --ops=d_pass --impls=xla,pallas --variants=default,osdn:solve_t_init=0 --check
   JAX_PLATFORMS=cpu python -m benchmarks.run --shapes=tiny --ops=dn,d_pass --impls=xla,pallas --check \\
       --calls=2 --reps=2 --out=/tmp/b.json                                                  # interpret mode
 """
@@ -69,7 +70,8 @@ class Settings:
   trace_dir: str = ""
 
   def validate(self):
-    """ValueError naming the first unknown op, shape, implementation, mode, dtype, precision or bad variant."""
+    """The parsed variants; ValueError naming the first unknown op, shape, implementation, mode, dtype,
+    precision or bad variant."""
     for name, values, known in (("op", self.ops, registry.OPS), ("implementation", self.impls, registry.IMPLS),
                                 ("mode", self.modes, MODES), ("dtype", (self.dtype,), DTYPES),
                                 ("precision", (self.precision,), PRECISIONS)):
@@ -83,6 +85,7 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
+  """One measurement: an op at a shape, in a mode, by one implementation and variant."""
   shape: str
   dims: tuple
   op: registry.Op
@@ -313,9 +316,9 @@ def _label(row, names):
 
 def table(rows: list[dict]) -> str:
   """One table per mode: rows shape/op; ms per implementation (and variant), each ÷ the row's baseline (FLA
-  where measured, else xla), MB per implementation, the largest error where checked."""
+  where measured, else xla, else the first measured), MB per implementation, the largest error where checked."""
   names = list(dict.fromkeys(r["variant"] for r in rows if r["variant"] != "default"))
-  out = [f"v{i + 1} = {n}" for i, n in enumerate(names)]
+  blocks = ["\n".join(f"v{i + 1} = {n}" for i, n in enumerate(names))] if names else []
   for mode in dict.fromkeys(r["mode"] for r in rows):
     mrows = [r for r in rows if r["mode"] == mode]
     labels = list(dict.fromkeys(_label(r, names) for r in mrows))
@@ -329,7 +332,7 @@ def table(rows: list[dict]) -> str:
     for shape, op in cases:
       get = lambda lb: cell.get((shape, op, lb), {})
       ms = lambda lb: get(lb).get("ms")
-      base = "fla" if ms("fla") else "xla"
+      base = next((lb for lb in ["fla", "xla"] + labels if ms(lb)), "xla")
       fmt_ms = lambda lb: "FAIL" if "error" in get(lb) else (f"{ms(lb):.3f}" if ms(lb) else "–")
       ratio = lambda lb: f"{ms(lb) / ms(base):.2f}" if ms(lb) and ms(base) else "–"
       mb = lambda lb: f"{get(lb)['bytes'] / 1e6:.1f}" if get(lb).get("bytes") is not None else "–"
@@ -338,11 +341,11 @@ def table(rows: list[dict]) -> str:
                    [mb(lb) for lb in labels] + ([err(lb) for lb in labels] if checked else []))
     widths = [max(len(str(row[i])) for row in [head] + lines) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    out.append(f"\n[{mode}] ms per call (median); X÷base = X's ms ÷ the baseline's (FLA where measured: ours ÷ "
-               f"FLA, else xla; < 1 is faster); MB: compiled temp + output (ours), peak allocated (FLA)"
-               + ("; err: largest rel RMS vs fp32 xla (HIGHEST)" if checked else ""))
-    out += [fmt(head)] + [fmt(line) for line in lines]
-  return "\n".join(out)
+    title = (f"[{mode}] ms per call (median); X÷base = X's ms ÷ the baseline's (FLA where measured: ours ÷ FLA, "
+             f"else xla, else the first column; < 1 is faster); MB: compiled temp + output (ours), peak allocated (FLA)"
+             + ("; err: largest rel RMS vs fp32 xla (HIGHEST)" if checked else ""))
+    blocks.append("\n".join([title, fmt(head)] + [fmt(line) for line in lines]))
+  return "\n\n".join(blocks)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -381,7 +384,7 @@ def benchmark(s: Settings, log=print) -> list[dict]:
   case, key = None, None
   for i, task in enumerate(tasks, 1):
     if (task.shape, task.op.name) != key:
-      key, case = (task.shape, task.op.name), None
+      key, case = (task.shape, task.op.name), None     # the previous case's arrays go before the next's come
       case = Case(task.op, task.dims, s)
     row = dict(shape=task.shape, dims=list(task.dims), op=task.op.name, mode=task.mode, impl=task.impl,
                variant=task.variant.name, dtype=s.dtype, precision=s.precision)

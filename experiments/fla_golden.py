@@ -115,7 +115,7 @@ def run_fla(op, x, save_forward=None):
       if t[n].grad is not None:
         out["d_" + n] = t[n].grad.float().cpu().numpy()
     print(f"{op}: FLA backward done at {time.time() - t0:.0f} s", flush=True)
-  except Exception as e:  # FLA refuses some backwards on Hopper with Triton 3.6 (FLA #640)
+  except Exception as e:  # FLA refuses the gated backwards on Hopper with Triton 3.6
     print(f"{op}: no backward ({type(e).__name__}: {str(e)[:120]})", flush=True)
   return out
 

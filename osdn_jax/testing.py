@@ -1,10 +1,16 @@
-"""Test helpers shared by the suites of every implementation: random inputs, the comparator, tolerances.
+"""Test helpers shared by the suites of every implementation: random inputs, the comparator, tolerances, and the
+example counts of the hypothesis tests.
 
-The comparator is docs/design.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference.
+The comparator is docs/design.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference. `close` is the
+criterion as a predicate (it never raises: the mutation tests assert that it fails); `assert_trees_close` asserts it
+after chex's checks of structure, shapes, finiteness and (where the caller knows the contract) dtypes. chex and
+pytest are imported inside the functions that use them: importing this module (experiments/demo.py does) pulls in
+nothing beyond jax and numpy.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ def rel_rms(x, y) -> float:
 
 
 def close(x, y, rtol: float, atol: float) -> bool:
+  """The criterion as a predicate: x finite, of y's shape, and rms(x − y) ≤ rtol · rms(y) + atol."""
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
   if x.shape != y.shape or not np.all(np.isfinite(x)):
     return False
@@ -38,18 +45,102 @@ def tolerance(name: str, dtype) -> tuple[float, float]:
   return FP32_TOL
 
 
-def assert_trees_close(got: dict, want: dict, dtype) -> dict:
-  """Asserts every entry of `got` is close to `want` at the tolerance of its name; returns the errors."""
+def contract_dtypes(arrays: dict) -> dict:
+  """The dtypes the solves' contract fixes for `vjp_all`'s results on `arrays`: the output o in the inputs' dtype
+  (q's), the final state S in fp32 (fp64 for fp64 inputs), and every gradient in its input's dtype."""
+  q = jnp.dtype(arrays["q"].dtype)
+  out = {n: jnp.dtype(x.dtype) for n, x in arrays.items() if x is not None}
+  out.update(o=q, S=jnp.promote_types(jnp.float32, q))
+  return out
+
+
+def _chex_checks(got: dict, want: dict, dtypes: dict | None):
+  """chex: the same names and shapes, every compared array finite (result and reference), dtypes as given."""
+  import chex   # lazily: see the module docstring
+  missing = sorted(set(want) - set(got))
+  assert not missing, f"no result for {missing}"
+  got = {n: got[n] for n in want}
+  chex.assert_trees_all_equal_shapes(got, want)
+  chex.assert_tree_all_finite(got)
+  chex.assert_tree_all_finite(want)
+  for name, dt in (dtypes or {}).items():
+    if name in got:
+      chex.assert_type(got[name], dt)
+
+
+def assert_trees_close(got: dict, want: dict, dtype, *, dtypes: dict | None = None,
+                       tol: tuple[float, float] | None = None) -> dict:
+  """Asserts every entry of `got` is close to `want` at the tolerance of its name; returns the errors.
+
+  Entries of `want` that are None are skipped. chex checks first that every compared name has a result of the
+  reference's shape, that results and references are finite, and that each result has the dtype `dtypes` maps
+  its name to (e.g. `contract_dtypes(arrays)`; names not in the map are not dtype-checked). The tolerance is
+  §4's for `dtype` (the inputs' dtype); `tol` = (rtol, atol) replaces it where both sides are exact algebra
+  (e.g. fp64 against fp64)."""
+  want = {n: w for n, w in want.items() if w is not None}
+  _chex_checks(got, want, dtypes)
   errors, bad = {}, []
   for name, ref in want.items():
-    if ref is None:
-      continue
-    rtol, atol = tolerance(name, dtype)
+    rtol, atol = tol or tolerance(name, dtype)
     errors[name] = rel_rms(got[name], ref)
     if not close(got[name], ref, rtol, atol):
       bad.append(f"{name}: rel rms {errors[name]:.3g} > rtol {rtol:g} (atol {atol:g})")
   assert not bad, "; ".join(bad)
   return errors
+
+
+# Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
+# `make test` runs these where a test would run every point; CI's slow step runs the others
+# (tests/test_dgps.py checks the cover).
+COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "longhorn", "nlms")
+
+
+def every_point(names):
+  """pytest params for a test over every registry point: COVERING_POINTS as they are, the others marked slow."""
+  import pytest   # lazily: see the module docstring
+  return [n if n in COVERING_POINTS else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+class Batches:
+  """Results of parametrised test cases computed a group at a time: the first `get(case)` of a group calls
+  `compute(cases)` once for all of the group's cases (e.g. one jitted program for all of them: fewer, larger
+  compiles) and caches what it returns (a sequence, one result per case, in order); each case still asserts in
+  its own test item. `group_of(case)` names the case's group; `cases` lists every case. Meant to live in a
+  module-scoped fixture (tests/conftest.py keeps a module's tests on one xdist worker, which computes each group
+  once)."""
+
+  def __init__(self, cases, group_of, compute):
+    self._groups = {}
+    for case in cases:
+      self._groups.setdefault(group_of(case), []).append(case)
+    self._group_of, self._compute, self._done = group_of, compute, {}
+
+  def get(self, case):
+    group = self._group_of(case)
+    if group not in self._done:
+      members = self._groups[group]
+      results = self._compute(members)
+      assert len(results) == len(members), (group, len(results), len(members))
+      self._done[group] = dict(zip(members, results))
+    return self._done[group][case]
+
+
+# Hypothesis profiles, registered by tests/conftest.py and selected by the HYPOTHESIS_PROFILE environment variable:
+# every hypothesis test sets its example count with `examples(base)`, its base count scaled by the profile.
+HYPOTHESIS_SCALE = {"default": 1, "thorough": 5}
+
+
+def hypothesis_profile() -> str:
+  """The active profile's name: HYPOTHESIS_PROFILE, "default" when unset."""
+  name = os.environ.get("HYPOTHESIS_PROFILE", "default") or "default"
+  if name not in HYPOTHESIS_SCALE:
+    raise ValueError(f"HYPOTHESIS_PROFILE={name!r}: expected one of {sorted(HYPOTHESIS_SCALE)}")
+  return name
+
+
+def examples(base: int) -> int:
+  """A hypothesis test's example count: `base` under the "default" profile, a multiple of it under "thorough"."""
+  return base * HYPOTHESIS_SCALE[hypothesis_profile()]
 
 
 @dataclasses.dataclass

@@ -14,8 +14,9 @@ CHUNK_SIZES = (16, 32, 64, 128)      # chunk sizes every implementation of the s
 LOG_DECAY_FLOOR = -30.0              # log-decays are clamped here (e^−30 ≈ 1e−13): lower values only cost precision
 
 
-def is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
+def is_pow2(x) -> bool:
+  """Whether x is an int (not a bool) and a power of two."""
+  return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
 
 
 def next_pow2(x: int, floor: int = 16) -> int:

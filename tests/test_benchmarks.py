@@ -147,6 +147,20 @@ def test_census_counts_a_known_dot():
   assert c.macs == c.macs_f32 == 16 * 64 * 32 and c.exps == 16 * 32
 
 
+def test_a_variant_reaches_its_kernel_and_the_census_prints():
+  """precond_key:chunk=8 halves the programs of the fused key's kernels (interpret mode runs chunk 4); traced only."""
+  op = registry.OPS["pdn_key"]
+  x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
+  programs = lambda v: {c.name: c.programs for c in census(op.build("pallas", v), x)}
+  default, wider = programs(registry.DEFAULT), programs(registry.parse_variant("precond_key:chunk=8"))
+  assert default["precond_key_apply"] == 2 * wider["precond_key_apply"] == 32
+  printed = []
+  run.print_census(run.Settings(ops=("dn", "d_pass"), shapes=("tiny",), modes=("fwd",)), log=printed.append)
+  text = "\n".join(printed)
+  assert "tiny/dn/fwd/pallas/default: 3 kernel launches" in text and "delta_rule_prep" in text
+  assert "osdn_d_pass_fwd" in text
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Results and the runner.
 # ---------------------------------------------------------------------------------------------------------

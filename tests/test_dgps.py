@@ -1,13 +1,13 @@
-"""The DGPS axes: preconditioners against their token-serial references, the paper identities, the registry."""
+"""The DGPS axes: preconditioners against their token-serial references, the paper identities, the registry.
+(PDN's and ATQ's scans against their loops on drawn problems: tests/test_properties.py.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from osdn_jax import diagnostics, dgps, ops
-from osdn_jax.dgps import naive as pnaive
 from osdn_jax.dgps import precond
-from osdn_jax.testing import close, random_point_inputs, random_problem, rel_rms
+from osdn_jax.testing import COVERING_POINTS, close, every_point, random_point_inputs, random_problem, rel_rms
 
 DECAYS = ("none", "scalar", "channel")
 TIGHT = 1e-12   # fp64 fast form vs fp64 reference
@@ -39,23 +39,6 @@ def _grads(fn, args, seed=3):
 def _assert_same(fast, ref, tol=TIGHT):
   for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref)):
     assert rel_rms(a, b) < tol, rel_rms(a, b)
-
-
-def test_pdn_scan_equals_loop():
-  g = _gates(0)
-  args = (g["k"], g["beta_p"], g["log_decay_p"], g["center"], g["A0"])
-  fast = _grads(lambda k, b, d, c, a0: precond.pdn_write_key(k, b, d, c, x=1.7, initial_state=a0), args)
-  ref = _grads(lambda k, b, d, c, a0: pnaive.pdn_write_key(k, b, d, c, x=1.7, initial_state=a0), args)
-  _assert_same(fast, ref)
-  assert all(float(jnp.max(jnp.abs(gr))) > 0 for gr in fast[1])   # gradients reach every input
-
-
-def test_atq_scan_equals_loop():
-  g = _gates(1)
-  args = (g["q"], g["k"], g["beta_p"], g["log_decay_p"], g["A0"])
-  fast = _grads(lambda q, k, b, d, a0: precond.atq_query(q, k, b, d, lam=0.5, initial_state=a0), args)
-  ref = _grads(lambda q, k, b, d, a0: pnaive.atq_query(q, k, b, d, lam=0.5, initial_state=a0), args)
-  _assert_same(fast, ref)
 
 
 @pytest.mark.parametrize("anchor", ["zero", "init"])
@@ -176,8 +159,18 @@ def test_theorem_3_1_exact_atk_equals_exact_atq():
   assert rel_rms(o_xla, o_atq) <= 1e-10
 
 
-@pytest.mark.parametrize("name", dgps.names())
+def test_covering_points_take_every_axis_value():
+  """COVERING_POINTS (what `make test` runs of the every-point tests) take every value of every axis that the
+  named points take."""
+  points = [dgps.get(n) for n in COVERING_POINTS]
+  for axis in ("decay", "gain", "precond", "solve"):
+    assert {getattr(p, axis) for p in points} == {getattr(p, axis) for p in dgps.POINTS.values()}, axis
+
+
+@pytest.mark.parametrize("name", every_point(dgps.names()))
 def test_every_point_runs_and_matches_its_serial_composition(name):
+  """A point (preconditioner pass and solve, fp32, XLA) against its own token-serial composition in fp64:
+  outputs, states and the gradients of every input, feature and parameter. (`make test`: COVERING_POINTS.)"""
   point = dgps.get(name)
   dims = dgps.Dims(heads=2, value_heads=4, key_dim=16, value_dim=8)
   q, k, v, features, params = random_point_inputs(point, dims, seed=len(name))

@@ -3,8 +3,8 @@
 
 Every file holds q, k, v as FLA saw them in bf16 (fp32 arrays of bf16-rounded values), the other inputs in fp32.
 chunk_delta_rule: outputs, final state and every input gradient.
-chunk_gated_delta_rule: outputs and final state (FLA refuses its backward on Hopper with Triton 3.6, FLA #640).
-chunk_precond_gated_delta_rule (PGDN): outputs, final state S and final second moment A (no backward, FLA #640).
+chunk_gated_delta_rule: outputs and final state (FLA refuses its backward on Hopper with Triton 3.6).
+chunk_precond_gated_delta_rule (PGDN): outputs, final state S and final second moment A (no backward, likewise).
 chunk_kda: outputs, final state and every input gradient (per-channel decay g included).
 chunk_precond_kda (PKDA): outputs, S, A and every input gradient, the preconditioner's gates and its initial
 second moment included (generated with `--one-config`: FLA's first autotuning config only).

@@ -19,6 +19,15 @@ def test_ops_import_only_jax_and_numpy():
   assert out.strip() == "[] [] ['pallas_kernels', 'pallas_kernels.spec']", out
 
 
+def test_the_test_helpers_import_only_jax_and_numpy():
+  """osdn_jax.testing (which experiments/demo.py imports) loads chex, hypothesis and pytest only inside the
+  functions that need them."""
+  code = ("import sys, osdn_jax.testing; "
+          f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY + ('pytest', '_pytest')!r})))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+  assert out.strip() == "[]", out
+
+
 def _imports(package):
   """(file, imported module) for every import statement under `package`."""
   for folder, _, files in os.walk(os.path.join(ROOT, package)):

@@ -6,7 +6,7 @@ import pytest
 
 from osdn_jax import ops
 from osdn_jax.ops import naive, packing
-from osdn_jax.testing import assert_trees_close, close, random_problem, vjp_all
+from osdn_jax.testing import assert_trees_close, close, contract_dtypes, random_problem, vjp_all
 
 T, H, HV, K, V = 100, 1, 2, 16, 32
 # Row 0: starts on chunk edges (16, 32, 48, 64), at the last token of a chunk (31), just after an edge, and a
@@ -91,11 +91,15 @@ def _problem(seed, decay, solve, with_initial, ids=IDS):
 
 
 def compare(p, solve, impl, chunk, want=None):
-  """The packed solve against the reference; returns (errors, the reference's results for reuse)."""
-  got = vjp_all(_packed(solve, impl, chunk), p.arrays(jnp.float32))
+  """The packed solve against the reference (results in the contract's dtypes); returns (errors, the reference's
+  results for reuse)."""
+  arrays = p.arrays(jnp.float32)
+  got = vjp_all(_packed(solve, impl, chunk), arrays)
   if want is None:
     want = vjp_all(_alone(solve), p.arrays(jnp.float64, jnp.float64, jnp.float64))
-  return assert_trees_close(got, {n: w for n, w in want.items() if n in got}, jnp.float32), want
+  errors = assert_trees_close(got, {n: w for n, w in want.items() if n in got}, jnp.float32,
+                              dtypes=contract_dtypes(arrays))
+  return errors, want
 
 
 # Chunk 16 for scalar decay, 32 (two per-channel sub-blocks: the reference-point factoring) otherwise.
@@ -206,7 +210,8 @@ def test_packed_initial_state_and_implementation_are_checked():
   assert o.shape == (2, 8, 2, 32)
 
 
-# The Pallas GPU kernels (interpret mode on CPU) lay the segments out chunk-aligned (pallas_kernels/gpu/delta_rule/packed.py).
+# The Pallas GPU kernels (interpret mode on CPU) lay the segments out chunk-aligned
+# (pallas_kernels/gpu/delta_rule/packed.py).
 @pytest.mark.parametrize("decay", ["none", "scalar", "channel"])
 def test_pallas_packed_equals_each_segment_alone(decay):
   """Values and all gradients against the fp64 segment-alone reference, per-segment initial states, value-head

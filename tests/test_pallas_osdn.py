@@ -119,8 +119,14 @@ CASES = {"r1-clip": (1, "zero", False, 8.0, 0.0, 2.0),
          "apf-init-noclip": (6, "init", True, 0.8, None, None)}
 
 
-@pytest.mark.parametrize("case", CASES)
+# `make test`: four cases that take every anchor, both retentions and every clip (both bounds, upper, none).
+SLOW_CASES = ("apf-init-clip", "apf-init-noclip")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])
 def test_matches_scan(case):
+  """d_t for every token, d_{T+1} and the gradients w.r.t. every input against the token-serial scan; where the
+  case clips, the clip is active on a good fraction of the entries (on each bound it has); gradients reach β."""
   seed, anchor, learned_r, eta, lo, hi = CASES[case]
   a = _inputs(seed)
   got, want, names = _both(a, learned_r=learned_r, eta=eta, d_min=lo, d_max=hi, anchor=anchor)
@@ -268,11 +274,12 @@ def test_tables_kernel(mode, L):
     assert sgb is sgf
 
 
-@pytest.mark.parametrize("clip,tables", [(False, None), (True, None), (True, "xla")])
+@pytest.mark.parametrize("clip,tables", [(False, None), pytest.param(True, None, marks=pytest.mark.slow),
+                                         (True, "xla")])
 def test_extreme_gates(clip, tables):
   """Zero keys (u = 0, n = 1e-12: α and c of 1e12 in the block tables), near-zero keys, β ∈ {0, 1}, APF: finite
   and equal to the scan, without and with the clip; the clipped case also with the plain-JAX tables (what the
-  GPU default runs under differentiation)."""
+  GPU default runs under differentiation). (`make test`: unclipped, and clipped with the plain-JAX tables.)"""
   a = _inputs(21, T=40, G=2, K=16)
   u = np.array(a["u"])
   u[:, 3::5] = 0.0

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from osdn_jax.ops import common, packing, scan
-
 from osdn_jax.ops.common import LOG_DECAY_FLOOR
 
 _HI = lax.Precision.HIGHEST

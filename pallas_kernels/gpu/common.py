@@ -7,6 +7,8 @@ run with `interpret=True` (the compiler parameters are then ignored).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -72,3 +74,40 @@ def pallas_call(kernel, *, grid, in_specs, out_specs, out_shape, interpret: bool
   return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         interpret=interpret, compiler_params=params, name=name,
                         input_output_aliases=input_output_aliases or {})
+
+
+def override(config, *assignments: str, **values):
+  """A copy of a frozen config dataclass with fields replaced: "field=value" or "family.field=value" strings (a
+  family is a nested dataclass field; values parse as int, True / False / None, or stay strings) and/or keyword
+  arguments named field or family__field. Unknown fields raise a ValueError naming them; invalid values raise the
+  config's own ValueError."""
+  changes = {}
+  for text in assignments:
+    key, sep, raw = text.partition("=")
+    if not sep:
+      raise ValueError(f"{type(config).__name__}.override: {text!r} is not 'field=value'")
+    changes[key.strip()] = _parse(raw.strip())
+  changes.update({k.replace("__", "."): v for k, v in values.items()})
+  out = config
+  for key, value in changes.items():
+    family, _, field = key.rpartition(".")
+    group = (getattr(out, family) if family in _field_names(out) else None) if family else out
+    if field not in _field_names(group):
+      raise ValueError(f"{type(config).__name__}.override: unknown field {key!r}")
+    group = dataclasses.replace(group, **{field: value})
+    out = dataclasses.replace(out, **{family: group}) if family else group
+  return out
+
+
+def _field_names(obj) -> set:
+  return {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+
+
+def _parse(raw: str):
+  words = {"True": True, "False": False, "None": None}
+  if raw in words:
+    return words[raw]
+  try:
+    return int(raw)
+  except ValueError:
+    return raw

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu import decayed_sum
+from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
@@ -64,6 +64,10 @@ class Config:
       raise ValueError(f"Config.chunk={self.chunk} must be in [4, 64]")
     if not 16 <= self.block_k <= 256:
       raise ValueError(f"Config.block_k={self.block_k} must be in [16, 256]")
+
+  def override(self, *assignments: str, **values) -> "Config":
+    """A copy with fields replaced: "field=value" strings and/or keyword arguments (`common.override`)."""
+    return common.override(self, *assignments, **values)
 
 
 DEFAULT = Config()

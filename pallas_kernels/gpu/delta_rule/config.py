@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.gpu import common
 from pallas_kernels.gpu.common import MAX_DIM
 from pallas_kernels.spec import CHUNK_SIZES, is_pow2
 
@@ -144,8 +145,8 @@ class Config:
   stages: int = 3                       # Triton num_stages where `heuristics.stages` allows pipelining
 
   def __post_init__(self):
-    if self.stages < 1:
-      raise ValueError(f"Config.stages={self.stages} must be ≥ 1")
+    if not isinstance(self.stages, int) or self.stages < 1:
+      raise ValueError(f"Config.stages={self.stages!r} must be an int ≥ 1")
 
   def check(self, chunk: int) -> None:
     """ValueError unless `chunk` is a supported chunk size that the sub-block rows divide."""
@@ -155,36 +156,9 @@ class Config:
       raise ValueError(f"Chunks.sub={self.chunks.sub} must divide chunk_size={chunk}")
 
   def override(self, *assignments: str, **values) -> "Config":
-    """A copy with fields replaced: "family.field=value" strings (values parsed as int, True / False / None or
-    a string) and/or keyword arguments named family__field. Invalid values raise the family's ValueError."""
-    changes = {}
-    for text in assignments:
-      key, sep, raw = text.partition("=")
-      if not sep:
-        raise ValueError(f"Config.override: {text!r} is not 'family.field=value'")
-      changes[key.strip()] = _parse(raw.strip())
-    changes.update({k.replace("__", "."): v for k, v in values.items()})
-    out = self
-    for key, value in changes.items():
-      family, _, field = key.partition(".")
-      if key == "stages":
-        out = dataclasses.replace(out, stages=value)
-        continue
-      group = getattr(out, family, None)
-      if not dataclasses.is_dataclass(group) or field not in {f.name for f in dataclasses.fields(group)}:
-        raise ValueError(f"Config.override: unknown field {key!r}")
-      out = dataclasses.replace(out, **{family: dataclasses.replace(group, **{field: value})})
-    return out
-
-
-def _parse(raw: str):
-  words = {"True": True, "False": False, "None": None}
-  if raw in words:
-    return words[raw]
-  try:
-    return int(raw)
-  except ValueError:
-    return raw
+    """A copy with fields replaced: "family.field=value" strings and/or keyword arguments family__field
+    (`common.override`). Invalid values raise the family's ValueError."""
+    return common.override(self, *assignments, **values)
 
 
 DEFAULT = Config()

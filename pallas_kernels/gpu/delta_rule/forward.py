@@ -1,4 +1,4 @@
-"""The forward of the chunkwise online solve (DESIGN in docs/design.md), kernel by kernel:
+"""The forward of the chunkwise online solve (docs/design.md §2), kernel by kernel:
 
 1. `scores` (per-channel decay at chunks of two sub-blocks or more): the Gram A and the intra output scores;
 2. `prep`: T = (I + A)⁻¹, W, U per chunk (and T stored under autodiff);

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu.common import default_interpret, padded_dim, segment_starts
+from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, segment_starts
 from pallas_kernels.gpu.osdn import backward, forward
 from pallas_kernels.gpu.osdn.config import DEFAULT, INTERPRET, Config
 from pallas_kernels.gpu.osdn.layout import Static
@@ -58,10 +58,6 @@ def _d_pass_bwd(st, res, cts):
 _d_pass.defvjp(_d_pass_fwd, _d_pass_bwd)
 
 
-def _pad_last(x, size):
-  return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
-
-
 def _segment_codes(segments, count: int):
   """[B, T] int32 codes (segment << 2 | last token << 1 | first token; segments past `count` clamped) and
   present [count] bool (the segment has tokens), from segment numbers [B, T]."""
@@ -81,8 +77,8 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, con
               config=config, interpret=interpret, segments=count)
   f32 = lambda x: None if x is None else jnp.asarray(x, F32)
   # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.
-  u, d1 = _pad_last(f32(u), kp), _pad_last(f32(d1), kp)
-  o = _pad_last(jnp.broadcast_to(f32(d_init), (g, kd)), kp) if mode == "init" else None
+  u, d1 = pad_axis(f32(u), 3, kp), pad_axis(f32(d1), 2, kp)
+  o = pad_axis(jnp.broadcast_to(f32(d_init), (g, kd)), 1, kp) if mode == "init" else None
   codes, present = None, None
   if count:      # rows of segments without tokens are neither read nor written by the kernels: zeros
     codes, present = _segment_codes(segment_ids, count)

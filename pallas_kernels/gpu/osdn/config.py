@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.gpu import common
 from pallas_kernels.spec import is_pow2
 
 TABLES = ("kernel", "xla", "auto")
@@ -34,6 +35,10 @@ class Config:
         raise ValueError(f"Config.{name}={v} must be 0 or a power of two ≥ 16")
     if self.tables not in TABLES:
       raise ValueError(f"Config.tables={self.tables!r} must be one of {TABLES}")
+
+  def override(self, *assignments: str, **values) -> "Config":
+    """A copy with fields replaced: "field=value" strings and/or keyword arguments (`common.override`)."""
+    return common.override(self, *assignments, **values)
 
   def warps(self, key_dim: int, blocked: bool) -> int:
     """num_warps of the sequential kernels: `warps_solve` with block solves, else `num_warps` or by K."""
