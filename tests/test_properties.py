@@ -26,7 +26,6 @@ from absl.testing import parameterized
 from hypothesis import given, settings, strategies as st
 
 from osdn_jax import ops
-from osdn_jax.dgps import naive as pnaive
 from osdn_jax.dgps import precond
 from osdn_jax.testing import assert_trees_close, contract_dtypes, examples, random_problem, vjp_all
 
@@ -212,23 +211,17 @@ def precond_problems(draw, which):
 
 
 def _precond(which, impl, options):
-  """fn(**arrays) → (written key or query, final state) for `which` run by `impl`: "fast" (implementation
-  "xla") or "reference" (dgps/naive.py's token-serial moment for PDN / ATQ; OSDN's token-serial d-pass)."""
+  """fn(**arrays) → (written key or query, final state) for `which` run by `impl`: "fast" (implementation "xla")
+  or "reference" (the token-serial forms: dgps/naive.py's moment for PDN / ATQ, OSDN's token-serial d-pass)."""
+  impl = "xla" if impl == "fast" else impl
   if which == "pdn":
-    if impl == "reference":
-      return lambda k, beta, log_decay, center, initial_state: pnaive.pdn_write_key(
-          k, beta, log_decay, center, initial_state=initial_state, **options)
     return lambda k, beta, log_decay, center, initial_state: precond.pdn_write_key(
-        k, beta, log_decay, center, initial_state=initial_state, implementation="xla", **options)
+        k, beta, log_decay, center, initial_state=initial_state, implementation=impl, **options)
   if which == "atq":
-    if impl == "reference":
-      return lambda q, k, beta, log_decay, initial_state: pnaive.atq_query(
-          q, k, beta, log_decay, initial_state=initial_state, **options)
     return lambda q, k, beta, log_decay, initial_state: precond.atq_query(
-        q, k, beta, log_decay, initial_state=initial_state, implementation="xla", **options)
+        q, k, beta, log_decay, initial_state=initial_state, implementation=impl, **options)
   return lambda k, beta, initial_state, retention=None: precond.osdn_write_key(
-      k, beta, retention=retention, initial_state=initial_state, implementation="xla" if impl == "fast" else impl,
-      **options)
+      k, beta, retention=retention, initial_state=initial_state, implementation=impl, **options)
 
 
 PRECONDITIONERS = [("pdn", "pdn"), ("atq", "atq"), ("osdn", "osdn"), ("osdn_apf", "osdn-apf")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.gpu.chunk_math import F32, dot, row_scale
-from pallas_kernels.gpu.common import pallas_call, split_refs
+from pallas_kernels.gpu.common import split_refs
 from pallas_kernels.gpu.delta_rule import factors
 from pallas_kernels.gpu.delta_rule import layout as L
 from pallas_kernels.gpu.intra import ALL, load
@@ -49,7 +49,7 @@ def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
   bk = st.k_block(st.config.grads.block_k)
   nk = st.key_dim // bk
   w = L.chunk_v_grid
-  has_g, sep = st.decay != "none", not st.same_keys
+  has_g = st.decay != "none"
   ktok = lambda head=None: L.tokens(st, bk, w, head, split=True)
   in_specs = [ktok(st.key_head), ktok(st.key_head), ktok(st.kw_head)]
   args = [q, k, kw]
@@ -59,15 +59,9 @@ def grads_finish(st: L.Static, q, k, kw, beta, G, T, dws, Mw, Aw, dq_s, dkw_s):
   in_specs += [L.vector(st, w), L.head_major(st, st.chunk, w), L.head_major(st, bk, w, split=True),
                L.head_major(st, st.chunk, w), L.head_major(st, st.chunk, w), ktok(), ktok()]
   args += [beta, T, dws, Mw, Aw, dq_s, dkw_s]
-  b, hv, t = st.batch, st.value_heads, st.length
-  n_k = 3 if sep else 2
-  out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w)] * (2 if has_g else 1)
-  out_shape = L.key_grads(st, n_k) + [L.f32((nk, b, hv, t))] * (2 if has_g else 1)
-  kernel = lambda *refs: _kernel(st, *refs)
-  outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, interpret=st.interpret, num_warps=st.config.grads.warps_finish,
-                     num_stages=st.stages,
-                     fp32_dots=st.fp32_dots, name="delta_rule_grads_finish")(*args)
-  dq, dk = outs[:2]
-  dkw = outs[2] if sep else None
-  return dq, dk, dkw, outs[n_k], (outs[n_k + 1] if has_g else None)
+  parts = 2 if has_g else 1
+  dq, dk, dkw, *sums = L.launch_finish(
+      st, _kernel, bk=bk, in_specs=in_specs, args=args, extra_specs=[L.parts(st, w)] * parts,
+      extra_shapes=[L.f32((nk, st.batch, st.value_heads, st.length))] * parts, warps=st.config.grads.warps_finish,
+      name="delta_rule_grads_finish")
+  return dq, dk, dkw, sums[0], (sums[1] if has_g else None)

@@ -9,7 +9,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.chunk_math import F32, accumulate, dot
-from pallas_kernels.gpu.common import pallas_call, split_refs
+from pallas_kernels.gpu.common import split_refs
 from pallas_kernels.gpu.delta_rule import layout as L
 from pallas_kernels.gpu.intra import ALL, Channel, block, load
 
@@ -93,21 +93,12 @@ def grads_pairs(st: L.Static, q, k, kw, beta, G, T, dws, dM, dA, dq_s, dkw_s, dG
   bk = st.k_block(st.config.grads.block_k)
   nk = st.key_dim // bk
   w = L.chunk_v_grid
-  sep = not st.same_keys
   ktok = lambda head=None: L.tokens(st, bk, w, head, split=True)
   in_specs = [ktok(st.key_head), ktok(st.key_head), ktok(st.kw_head), L.decay_spec(st, w, width=bk),
               L.vector(st, w), L.head_major(st, st.chunk, w), L.head_major(st, bk, w, split=True),
               L.head_major(st, st.chunk, w), L.head_major(st, st.chunk, w), ktok(), ktok(), ktok()]
   args = [q, k, kw, G, beta, T, dws, dM, dA, dq_s, dkw_s, dG_s]
   b, hv, t, kd = st.batch, st.value_heads, st.length, st.key_dim
-  n_k = 3 if sep else 2
-  out_specs = [ktok() for _ in range(n_k)] + [L.parts(st, w), ktok()]
-  out_shape = L.key_grads(st, n_k) + [L.f32((nk, b, hv, t)), L.f32((b, t, hv, kd))]
-  kernel = lambda *refs: _kernel(st, *refs)
-  outs = pallas_call(kernel, grid=(b, hv, st.num_chunks, nk), in_specs=in_specs, out_specs=out_specs,
-                     out_shape=out_shape, interpret=st.interpret, num_warps=st.config.grads.warps_pairs,
-                     num_stages=st.stages,
-                     fp32_dots=st.fp32_dots, name="delta_rule_grads_pairs")(*args)
-  dq, dk = outs[:2]
-  dkw = outs[2] if sep else None
-  return dq, dk, dkw, outs[n_k], outs[n_k + 1]
+  return L.launch_finish(st, _kernel, bk=bk, in_specs=in_specs, args=args, extra_specs=[L.parts(st, w), ktok()],
+                         extra_shapes=[L.f32((nk, b, hv, t)), L.f32((b, t, hv, kd))],
+                         warps=st.config.grads.warps_pairs, name="delta_rule_grads_pairs")

@@ -317,3 +317,17 @@ def key_grads(st: Static, n_k: int):
   shape = (st.batch, st.length, st.value_heads, st.key_dim)
   dtypes = [st.dq_dtype, st.dq_dtype, st.dkw_dtype][:n_k]
   return [jax.ShapeDtypeStruct(shape, d) for d in dtypes]
+
+
+def launch_finish(st: Static, kernel, *, bk: int, in_specs, args, extra_specs, extra_shapes, warps: int, name: str):
+  """Runs a finishing gradient kernel, grid (B, HV, NC, K/BK), whose outputs are dq, dk (and dk_write unless
+  k_write is k), each a K block of [B, T, HV, K], then `extra_specs` / `extra_shapes`. Returns (dq, dk, dk_write
+  or None, *extras)."""
+  from pallas_kernels.gpu.common import pallas_call
+  n_k = 2 if st.same_keys else 3
+  ktok = tokens(st, bk, chunk_v_grid, split=True)
+  outs = pallas_call(lambda *refs: kernel(st, *refs), grid=(st.batch, st.value_heads, st.num_chunks, st.key_dim // bk),
+                     in_specs=in_specs, out_specs=[ktok] * n_k + list(extra_specs),
+                     out_shape=key_grads(st, n_k) + list(extra_shapes), interpret=st.interpret, num_warps=warps,
+                     num_stages=st.stages, fp32_dots=st.fp32_dots, name=name)(*args)
+  return (outs[0], outs[1], outs[2] if n_k == 3 else None, *outs[n_k:])
