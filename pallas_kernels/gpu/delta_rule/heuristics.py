@@ -1,7 +1,7 @@
 """How the delta-rule kernels are launched for a request: every rule that turns a `Config` and a problem into
 a chunk, a block width, a flag or a warp count, and the table of measured defaults those rules read.
 
-The numbers were measured on one NVIDIA H200 (docs/benchmarks.md, "Tuning"); a field set in the `Config`
+The numbers were measured on one NVIDIA H200 (docs/benchmarks.md, "Why the launch defaults are what they are"); a field set in the `Config`
 overrides its rule. None of these choices changes the function computed, only its rounding and speed.
 """
 from __future__ import annotations
