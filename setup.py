@@ -2,7 +2,8 @@ from setuptools import find_packages, setup
 
 EXTRAS = {
     "nn": ["flax"],
-    "train": ["optax", "orbax-checkpoint", "grain", "absl-py", "matplotlib"],
+    "train": ["optax", "orbax-checkpoint", "grain", "absl-py", "ml_collections", "tokenizers", "tensorboardX",
+              "tqdm", "matplotlib"],
     "test": ["pytest", "pytest-xdist", "hypothesis", "chex"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})

@@ -53,3 +53,14 @@ def test_the_library_reaches_the_kernels_through_their_contract_and_dispatch():
   bad = [(os.path.relpath(p, ROOT), m) for p, m in _imports("osdn_jax")
          if m.startswith("pallas_kernels") and m not in allowed and not p.endswith(os.path.join("ops", "dispatch.py"))]
   assert not bad, bad
+
+
+def test_the_layers_below_training_do_not_import_it():
+  """models, layers, dgps, diagnostics and ops never import the trainer or the data pipeline; the data pipeline
+  never imports the models or the trainer."""
+  below = [(p, m) for pkg in ("models", "layers", "dgps", "diagnostics", "ops")
+           for p, m in _imports(os.path.join("osdn_jax", pkg))]
+  bad = [(os.path.relpath(p, ROOT), m) for p, m in below if m.startswith(("osdn_jax.train", "osdn_jax.data"))]
+  bad += [(os.path.relpath(p, ROOT), m) for p, m in _imports(os.path.join("osdn_jax", "data"))
+          if m.startswith(("osdn_jax.train", "osdn_jax.models", "osdn_jax.layers"))]
+  assert not bad, bad

@@ -275,3 +275,36 @@ def test_precond_key_lowers_to_triton(which, triton_lowering, capsys):
   for name in ("precond_key_apply", "precond_key_carry_grad", "precond_key_grads", "decayed_sum"):
     assert f"@{name}(" in ir, name
   assert all(verified), verified
+
+
+@pytest.mark.parametrize("which", ["pdn", "atq", "moment"])
+def test_packed_traced_segments_fold_into_the_unpacked_kernels(which):
+  """Packed with traced segment_ids and no carried state (a training step): the kernels run unpacked with each
+  segment start's log-decay at the floor. Values and every gradient equal the packed associative scan (which
+  zeroes the state at a start), and the final state is None on both."""
+  k, q, beta, g, _, centre = _key_inputs(11, 150)
+  seg = jnp.asarray(np.cumsum(np.random.default_rng(3).random((2, 150)) < 0.04, axis=1), jnp.int32)
+  fns = {"pdn": lambda impl: lambda k, q, b, g, c, s: precond.pdn_write_key(k, b, g, c, x=1.7, segment_ids=s,
+                                                                              implementation=impl),
+         "atq": lambda impl: lambda k, q, b, g, c, s: precond.atq_query(q, k, b, g, lam=0.5, segment_ids=s,
+                                                                          implementation=impl),
+         "moment": lambda impl: lambda k, q, b, g, c, s: precond.second_moment(k, b, g, segment_ids=s,
+                                                                                implementation=impl)}
+
+  def run(impl):
+    fn = fns[which](impl)
+
+    @jax.jit
+    def go(k, q, beta, g, centre, seg):
+      (y, A_T), vjp = jax.vjp(lambda k, q, beta, g, centre: fn(k, q, beta, g, centre, seg), k, q, beta, g, centre)
+      assert A_T is None
+      w = jnp.cos(jnp.arange(y.size, dtype=F32)).reshape(y.shape).astype(y.dtype)
+      return (y,) + vjp((w, None))
+    return go(k, q, beta, g, centre, seg)
+
+  got, want = run("pallas"), run("xla")
+  for i, (a, b) in enumerate(zip(got, want)):
+    if b is None or not np.any(np.asarray(b)):
+      continue
+    assert np.all(np.isfinite(np.asarray(a))), i
+    assert rel_rms(a, b) < 5 * TOL, (i, rel_rms(a, b))   # the kernels' chunked sums against a scan's order

@@ -26,6 +26,7 @@ the exact chunked form whenever it is unclipped and unpacked).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -63,11 +64,34 @@ def num_segments(segment_ids, initial_state):
     return None
 
 
-def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True):
-  """(kind, kernel) of `dispatch.choose` for one preconditioner pass ("reference", "xla" or "pallas")."""
-  request = dispatch.spec(op, dtype, key_dim=key_dim, packed=segment_ids is not None, static_params=static_params)
-  return dispatch.choose(request, implementation,
-                         why="" if static_params else "the transform's constants must be static numbers")
+# A log-decay that empties the second moment: the kernels clamp per-token log-decays at −30, so the carried
+# part is scaled by e^−30 ≈ 1e−13 (the packed XLA form zeroes it).
+_RESET_LOG_DECAY = -30.0
+
+
+def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True, initial_state=None,
+            log_decay_p=None):
+  """(kind, kernel, log_decay_p) for one preconditioner pass (kind "reference", "xla" or "pallas").
+
+  The second-moment kernels are unpacked. Packed with traced segment_ids and no carried state (a training
+  step: no per-segment final state can be returned then either), a segment start is the same as a log-decay
+  of −∞ there, so "auto" and "pallas" run the unpacked kernel on the log-decays with the starts folded in."""
+  fold = (segment_ids is not None and initial_state is None and log_decay_p is not None
+          and num_segments(segment_ids, None) is None)
+  request = dispatch.spec(op, dtype, key_dim=key_dim, packed=segment_ids is not None and not fold,
+                          static_params=static_params)
+  why = "" if static_params else "the transform's constants must be static numbers"
+  if fold:
+    try:
+      kind, kernel = dispatch.choose(request, implementation, why=why)
+    except ValueError:
+      kind, kernel = None, None
+    if kind == "pallas":
+      starts = packing.segment_starts(segment_ids)[..., None]
+      return kind, kernel, jnp.where(starts, jnp.asarray(_RESET_LOG_DECAY, jnp.result_type(log_decay_p)),
+                                     log_decay_p)
+    request = dataclasses.replace(request, packed=True)
+  return (*dispatch.choose(request, implementation, why=why), log_decay_p)
 
 
 def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
@@ -77,9 +101,11 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
   implementation: "reference" (token-serial), "xla" (`lax.associative_scan`), "pallas" (the chunked kernel
   "decayed_sum": unpacked, fp32/bf16) or "auto". Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
-  kind, kernel = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation)
+  kind, kernel, g = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
+                            initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    return kernel(k, log_decay_p, beta=beta_p, initial_state=initial_state)
+    A, A_T = kernel(k, g, beta=beta_p, initial_state=initial_state)
+    return A, (A_T if segment_ids is None else None)
   if kind == "reference":
     from osdn_jax.dgps import naive   # naive imports this module
     return naive.second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
@@ -110,11 +136,12 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
 
   `implementation` as `second_moment`, but "pallas" runs the fused kernel "precond_key" (A_t never stored;
   unpacked, fp32/bf16, x and eps static numbers)."""
-  kind, kernel = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
-                         _static(x, eps))
+  kind, kernel, g = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
+                            _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    return kernel(k, beta_p, log_decay_p, transform="pdn", center=center, x=x, eps=eps,
-                  initial_state=initial_state)
+    k_write, A_T = kernel(k, beta_p, g, transform="pdn", center=center, x=x, eps=eps,
+                          initial_state=initial_state)
+    return k_write, (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
   return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
@@ -125,10 +152,11 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
   """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K]).
 
   `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number)."""
-  kind, kernel = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
-                         _static(lam))
+  kind, kernel, g = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
+                            _static(lam), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    return kernel(k, beta_p, log_decay_p, transform="atq", q=q, lam=lam, initial_state=initial_state)
+    q_tilde, A_T = kernel(k, beta_p, g, transform="atq", q=q, lam=lam, initial_state=initial_state)
+    return q_tilde, (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
   return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T
@@ -191,7 +219,7 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
     return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, anchor=anchor, chunk_size=chunk_size)
   if impl != "reference":
     static = all(x is None or isinstance(x, numbers.Real) for x in (eta, d_min, d_max))
-    kind, kernel = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static)
+    kind, kernel, _ = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static)
     if kind == "pallas":
       ids = None if segment_ids is None else packing.segment_index(segment_ids)
       return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,

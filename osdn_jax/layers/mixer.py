@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from osdn_jax import dgps
+from osdn_jax import dgps, diagnostics
+from osdn_jax.layers import sharding
 from osdn_jax.layers.conv import ShortConv
 from osdn_jax.layers.norms import RMSNorm
 
@@ -198,27 +200,72 @@ class DGPSMixer(nnx.Module):
       y = y * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32).reshape(o.shape))
     return self.o_proj(y.reshape(o.shape[:-2] + (-1,)).astype(self.cfg.dtype))
 
+  def _solve(self, q, k, v, features, *, segment_ids, state, return_cache, segments_per_row=None):
+    """The point's solve; under a mesh context (`layers.sharding`) a training forward runs per shard.
+
+    segments_per_row: a static bound on the segments in any row of `segment_ids`: with it the solve sees N =
+    rows × bound (zero initial states), so the kernels that need N static run on traced segment_ids."""
+    cfg = self.cfg
+    params = _values(self.point_params)
+    dims = cfg.dims
+
+    def run(q, k, v, f, p, seg):
+      st = state
+      if seg is not None and segments_per_row and st is None:
+        st = {"S": jnp.zeros((q.shape[0] * segments_per_row, v.shape[2], k.shape[3], v.shape[3]), jnp.float32)}
+      return cfg.point(q, k, v, f, p, state=st, output_final_state=return_cache, chunk_size=cfg.chunk_size,
+                       segment_ids=seg, implementation=cfg.implementation)
+
+    mesh = sharding.context_mesh()
+    if mesh is None or state is not None or return_cache:
+      return run(q, k, v, features, params, segment_ids)
+    sharding.check_divisible(mesh, batch=q.shape[0], heads=dims.heads, value_heads=dims.value_heads,
+                             owner="DGPSMixer")
+    solve = lambda tokens, p, seg: run(*tokens, p, seg)[0]
+    return sharding.shard_solve(solve, mesh, (q, k, v, features), params, segment_ids), None
+
   # -- public ---------------------------------------------------------------------------------------------
-  def __call__(self, x, *, segment_ids=None, cache: LayerCache | None = None, return_cache: bool = False):
+  def __call__(self, x, *, segment_ids=None, cache: LayerCache | None = None, return_cache: bool = False,
+               segments_per_row: int | None = None):
     """x [B, T, D] → y [B, T, D] in the compute dtype (and the cache after the last token if return_cache).
 
     segment_ids: None or [B, T] packed sequences (nothing crosses a segment start: not the short conv, not the
-      solve); not combined with a cache. cache: the state before x (a previous prefill or step), default the
-      zero state.
+      solve); not combined with a cache. segments_per_row: None or a static bound on the segments in any row
+      (lets the Pallas kernels run on traced segment_ids; `_solve`). cache: the state before x (a previous
+      prefill or step), default the zero state. Under `jax.set_mesh` (a training step) the solve runs under
+      `shard_map` (`layers.sharding`).
     """
     cfg = self.cfg
     if segment_ids is not None and (cache is not None or return_cache):
       raise ValueError("DGPSMixer: `segment_ids` (packed sequences) cannot be combined with `cache` or "
                        "`return_cache`; prefill each sequence in its own batch row instead")
     x = x.astype(cfg.dtype)
-    qkv, tail = self.conv(self._qkv(x), tail=None if cache is None else cache.conv, segment_ids=segment_ids)
+    qkv = checkpoint_name(self._qkv(x), "mixer_qkv")
+    qkv, tail = self.conv(qkv, tail=None if cache is None else cache.conv, segment_ids=segment_ids)
     q, k, v = self._split_heads(jax.nn.silu(qkv))
     state = None if cache is None else {"S": cache.S, "precond": cache.precond}
-    o, final = cfg.point(q, k, v, self._features(x), _values(self.point_params), state=state,
-                         output_final_state=return_cache, chunk_size=cfg.chunk_size, segment_ids=segment_ids,
-                         implementation=cfg.implementation)
-    y = self._output(o, x)
+    o, final = self._solve(q, k, v, self._features(x), segment_ids=segment_ids, state=state,
+                           return_cache=return_cache, segments_per_row=segments_per_row)
+    y = self._output(checkpoint_name(o, "solve_out"), x)
     return (y, LayerCache(final["S"], final["precond"], tail)) if return_cache else y
+
+  def diagnostics(self, x):
+    """What the write does to the state, on x [B, T, D] from the zero state: {"q_geo": the geometric mean of the
+    residual contraction ρ_t = (1 − β_t⟨k_t, k̃_t⟩)² over tokens and heads (NaN for the offline solves, which
+    have no residual), "state_norm": the mean over rows and value heads of ‖S_T‖_F}, both fp32 scalars."""
+    cfg = self.cfg
+    x = x.astype(cfg.dtype)
+    qkv, _ = self.conv(self._qkv(x))
+    q, k, v = self._split_heads(jax.nn.silu(qkv))
+    prep = cfg.point.prepare(q, k, v, self._features(x), _values(self.point_params),
+                             implementation=cfg.implementation)
+    _, final = self._solve(q, k, v, self._features(x), segment_ids=None, state=None, return_cache=True)
+    state_norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(final["S"].astype(jnp.float32)), axis=(-2, -1))))
+    if prep["beta"] is None or cfg.point.solve != "online":
+      return {"q_geo": jnp.float32(jnp.nan), "state_norm": state_norm}
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    rho = diagnostics.rho_closed_form(f32(prep["k"]), f32(prep["beta"]), f32(prep["k_write"]))
+    return {"q_geo": diagnostics.q_geo(rho).astype(jnp.float32), "state_norm": state_norm}
 
   def step(self, x, cache: LayerCache):
     """One token for decoding: x [B, D], cache from `__call__(..., return_cache=True)` or a previous step.

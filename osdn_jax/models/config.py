@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from osdn_jax import dgps
@@ -27,6 +28,22 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+_SAVE_SOLVE = ("solve_out", "delta_rule_T")
+# What a block keeps for the backward pass (`ModelConfig.remat`); everything else is recomputed from the block's
+# input. "none": no rematerialisation (everything saved). "full": only the block input. "dots": every matmul
+# output (projections, MLP); the solve and the element-wise work rerun. "solve": the solve's output and its
+# in-chunk inverse; the projections rerun. "dots_solve": both.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "solve": jax.checkpoint_policies.save_only_these_names(*_SAVE_SOLVE),
+    "dots_solve": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*_SAVE_SOLVE)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only LM: embedding (tied with the head), L × [RMSNorm → mixer → +, RMSNorm → SwiGLU → +],
@@ -37,6 +54,7 @@ class ModelConfig:
   of H; default H) of size value_head_dim (default head_dim). mlp_hidden: default 256·⌈(2/3·4·D)/256⌉.
   output_gate: default the KDA family only (see `layers.MixerConfig`). dtype: the compute dtype (activations
   and matmuls); parameters are fp32 and the residual stream stays fp32. init_std: the embedding's init std.
+  remat: what each block keeps for the backward pass in `LanguageModel.hidden` (`REMAT_POLICIES`).
   """
   variant: str
   vocab_size: int
@@ -56,6 +74,7 @@ class ModelConfig:
   point_options: tuple[tuple[str, Any], ...] = ()
   dtype: Any = jnp.float32
   init_std: float = 0.02
+  remat: str = "none"
   name: str = ""
 
   def __post_init__(self):
@@ -69,6 +88,8 @@ class ModelConfig:
     mixer_lib.check_heads("ModelConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
                           num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
     mixer_lib.check_dtype("ModelConfig", self.dtype)
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig: `remat` must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     object.__setattr__(self, "point_options", tuple(sorted(dict(self.point_options).items())))
 
   @property

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from osdn_jax.layers import DGPSMixer, LayerCache, RMSNorm, SwiGLU
-from osdn_jax.models.config import ModelConfig, config
+from osdn_jax.models.config import REMAT_POLICIES, ModelConfig, config
 
 # The decoding state of the whole stack: a LayerCache whose leaves carry a leading layer axis [L, B, ...].
 Cache = LayerCache
@@ -25,9 +25,10 @@ class Block(nnx.Module):
   def _mlp(self, h):
     return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
 
-  def __call__(self, x, *, segment_ids=None, cache=None, return_cache=False):
+  def __call__(self, x, *, segment_ids=None, cache=None, return_cache=False, segments_per_row=None):
     """x [B, T, D] → [B, T, D] (and the mixer's LayerCache when return_cache); see `DGPSMixer.__call__`."""
-    out = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, return_cache=return_cache)
+    out = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, return_cache=return_cache,
+                     segments_per_row=segments_per_row)
     y, new_cache = out if return_cache else (out, None)
     h = self._mlp(x + y.astype(x.dtype))
     return (h, new_cache) if return_cache else h
@@ -59,15 +60,36 @@ class LanguageModel(nnx.Module):
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype)
 
-  def _scan_blocks(self, fn, x, per_layer):
-    """x ← fn(block_l, x, per_layer[l]) for l = 0..L−1 (fn returns (x, out)); returns (x, stacked outs)."""
+  def _scan_blocks(self, fn, x, per_layer, *, remat: bool = False):
+    """x ← fn(block_l, x, per_layer[l]) for l = 0..L−1 (fn returns (x, out)); returns (x, stacked outs).
+
+    remat: apply the config's rematerialisation policy to each block (`models.config.REMAT_POLICIES`)."""
     graphdef, params = nnx.split(self.blocks)
     body = lambda x, inp: fn(nnx.merge(graphdef, inp[0]), x, inp[1])
+    if remat and self.cfg.remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
     return jax.lax.scan(body, x, (params, per_layer))
 
   def _logits(self, x):
     h = self.final_norm(x)
     return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype)).astype(jnp.float32)
+
+  def hidden(self, tokens, *, segment_ids=None, segments_per_row=None):
+    """tokens [B, T] → the final-normed hidden states [B, T, D] in the compute dtype (what the tied head reads:
+    logits = hidden · embedᵀ). Blocks run under the config's rematerialisation policy (training).
+    segments_per_row: a static bound on the segments in a row of segment_ids (`DGPSMixer.__call__`)."""
+    layer = lambda block, x, _: (block(x, segment_ids=segment_ids, segments_per_row=segments_per_row), None)
+    x, _ = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None, remat=True)
+    return self.final_norm(x)
+
+  def diagnostics(self, tokens):
+    """Per-layer write diagnostics on tokens [B, T] (each sequence from the zero state): {"q_geo": [L],
+    "state_norm": [L]} (`DGPSMixer.diagnostics`; the input of layer l is the residual stream the model gives it)."""
+    def layer(block, x, _):
+      return block(x), block.mixer.diagnostics(block.mixer_norm(x))
+
+    _, out = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None)
+    return out
 
   def __call__(self, tokens, *, segment_ids=None, cache: Cache | None = None, return_cache: bool = False):
     """tokens [B, T] int; segment_ids None or [B, T] (packed sequences; not with a cache).

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.gpu.common import MAX_DIM, default_interpret, pad_axis, padded_dim
 from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics, packed
@@ -42,6 +43,8 @@ def _solve(st: Static, q, k, kw, v, beta, G, g, S0, info):
 def _solve_fwd(st, q, k, kw, v, beta, G, g, S0, info):
   del g
   o, S_T, T = forward.forward(st, q, k, k if kw is None else kw, v, beta, G, S0, info, emit_t=True)
+  # Named for rematerialisation policies: saving T (and the inputs) spares the backward a rerun of the prep.
+  T = checkpoint_name(T, "delta_rule_T")
   return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
 

@@ -1,0 +1,243 @@
+"""The training input pipeline (grain): records → shuffled epochs → token rows → batches, deterministic and
+checkpointable.
+
+    pipe = make_pipeline(cfg.data, seq_len=2048, batch_size=16, seed=0, process_index=0, process_count=1)
+    batch = next(pipe)          # a dict of numpy arrays (below)
+    state = pipe.get_state()    # JSON-serialisable; set_state(state) on an equal pipeline resumes at this point
+
+Stages: source → this process's shard (records i with i % process_count == process_index) → shuffle (a new
+order every epoch, endlessly) → rows of seq_len + 1 tokens → batch → prefetch (a background thread, optional).
+Text: every record is tokenized with EOS appended, and the token stream is concatenated and split into rows
+(grain's ConcatThenSplit; documents span rows, and no token is padding). "random" and "mqar": one record is one
+row of exactly seq_len + 1 tokens (nothing packed, nothing padded).
+
+A batch (B = batch_size, this process's rows; T = seq_len; a row r of T + 1 tokens):
+  tokens       int32 [B, T]    r[:-1]
+  targets      int32 [B, T]    r[1:]
+  segment_ids  int32 [B, T]    the document of each position's target (`osdn_jax.ops.packing`'s convention:
+                               non-decreasing, only the changes count): a segment starts right after an EOS
+                               target, at the EOS that ends the previous document, which serves as the next
+                               one's BOS. All 0 for "random" and "mqar".
+  loss_mask    float32 [B, T]  1 where the input token and the target belong to one document (so 0 at an EOS
+                               input, whose target begins the next document); for "mqar" 1 only at the answers
+
+Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes its `DEFAULTS` value):
+  source        "text" | "random" | "mqar"
+  tokenizer     "byte" | "bpe" (text only)
+  vocab_size    the BPE's size; the id range of "random" and "mqar"; ignored by the byte tokenizer (256)
+  text_dir      the corpus directory ("": `sources.default_text_dir()`)
+  num_records   distinct records of "random" and "mqar" (one epoch)
+  mqar_pairs    key-value pairs per "mqar" row
+  prefetch      batches prepared ahead in a background thread (0: none)
+  block_chars   the text source's block size (`sources.TextSource`; 0: whole documents)
+"""
+from __future__ import annotations
+
+import base64
+import collections.abc
+import weakref
+from typing import Any
+
+import grain
+import numpy as np
+
+from osdn_jax.data import sources, tokenizers
+
+SOURCES = ("text", "random", "mqar")
+DEFAULTS = dict(source="text", tokenizer="byte", vocab_size=256, text_dir="", num_records=100_000, mqar_pairs=8,
+                prefetch=2, block_chars=8192)
+STATE_VERSION = 1
+# Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def _int_field(value, field: str, minimum: int, what: str = "data config") -> int:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"{what}: `{field}` must be an int ≥ {minimum}, got {value!r}")
+  return int(value)
+
+
+def _fields(cfg) -> dict[str, Any]:
+  """The config's fields (defaults filled in), checked: ValueError naming the field."""
+  get = cfg.get if hasattr(cfg, "get") else (lambda name, default: getattr(cfg, name, default))
+  f = {name: get(name, default) for name, default in DEFAULTS.items()}
+  if f["source"] not in SOURCES:
+    raise ValueError(f"data config: unknown `source` {f['source']!r}; choices: {', '.join(SOURCES)}")
+  if f["tokenizer"] not in tokenizers.TOKENIZERS:
+    raise ValueError(f"data config: unknown `tokenizer` {f['tokenizer']!r}; choices: "
+                     f"{', '.join(tokenizers.TOKENIZERS)}")
+  if not isinstance(f["text_dir"], (str, bytes)) and not hasattr(f["text_dir"], "__fspath__"):
+    raise ValueError(f"data config: `text_dir` must be a path (\"\" for the default), got {f['text_dir']!r}")
+  for field, minimum in (("vocab_size", 1), ("num_records", 1), ("mqar_pairs", 1), ("prefetch", 0),
+                         ("block_chars", 0)):
+    f[field] = _int_field(f[field], field, minimum)
+  if f["source"] == "text" and f["tokenizer"] == "bpe" and f["vocab_size"] < 257:
+    raise ValueError(f"data config: `vocab_size` of the BPE must be ≥ 257 (256 bytes and EOS), got {f['vocab_size']}")
+  if f["source"] == "mqar" and f["vocab_size"] < 2 * f["mqar_pairs"] + 1:
+    raise ValueError(f"data config: `vocab_size` ({f['vocab_size']}) must be ≥ 2 · mqar_pairs + 1 = "
+                     f"{2 * f['mqar_pairs'] + 1} (distinct keys, padding and values)")
+  return f
+
+
+def _shuffle_seed(seed: int) -> int:
+  """A 32-bit shuffle seed hashed from the run's seed: grain shuffles epoch e with seed + e, and nearby run seeds
+  would otherwise replay one another's epochs."""
+  return int(np.random.SeedSequence([seed, 0x5F1E]).generate_state(1)[0])
+
+
+def _finish(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Batched rows ("ids" [B, T + 1], "doc" [B, T + 1]: the document of each token, "weight" [B, T + 1] optional:
+  the loss weight of predicting each token) → the pipeline's batch (module docstring)."""
+  ids, doc = batch["ids"], batch["doc"]
+  loss_mask = (doc[:, :-1] == doc[:, 1:]).astype(np.float32)
+  if "weight" in batch:
+    loss_mask *= batch["weight"][:, 1:]
+  return {"tokens": np.ascontiguousarray(ids[:, :-1], np.int32),
+          "targets": np.ascontiguousarray(ids[:, 1:], np.int32),
+          "segment_ids": np.ascontiguousarray(doc[:, 1:] - doc[:, 1:2], np.int32),
+          "loss_mask": loss_mask}
+
+
+class Pipeline:
+  """An endless iterator of batches (module docstring) with a JSON-serialisable position.
+
+  vocab_size: ids lie in [0, vocab_size). tokenizer: the text's (None for "random" and "mqar"); eos_id: its EOS
+  (None likewise). get_state() describes the next batch `__next__` returns, whatever a prefetch thread has read
+  ahead; set_state(state) makes this pipeline return from there on exactly what the one that gave the state
+  would have. The state holds the pipeline's `signature` (source, sizes, seed, shard, vocabulary), and
+  set_state raises ValueError for a state of a different pipeline (the prefetch depth may differ).
+  """
+
+  def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any]):
+    self.vocab_size = vocab_size
+    self.tokenizer = tokenizer
+    self.eos_id = None if tokenizer is None else tokenizer.eos_id
+    self.signature = signature
+    # The iterator is closed and dropped by close() or at interpreter exit, while grain's modules still exist
+    # (a prefetch iterator left to the final garbage collection fails to close).
+    self._box = [iter(dataset)]
+    self._release = weakref.finalize(self, _close, self._box)
+
+  @property
+  def _iterator(self) -> grain.DatasetIterator:
+    if not self._box:
+      raise ValueError("data: the pipeline is closed")
+    return self._box[0]
+
+  def __iter__(self) -> Pipeline:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._iterator)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"version": STATE_VERSION, "signature": dict(self.signature),
+            "iterator": _to_json(self._iterator.get_state())}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if state.get("version") != STATE_VERSION:
+      raise ValueError(f"data: pipeline state version {state.get('version')!r}, expected {STATE_VERSION}")
+    theirs = state.get("signature", {})
+    differ = sorted(k for k in set(theirs) | set(self.signature) if theirs.get(k) != self.signature.get(k))
+    if differ:
+      raise ValueError("data: the state belongs to a different pipeline: "
+                       + ", ".join(f"{k} {theirs.get(k)!r} ≠ {self.signature.get(k)!r}" for k in differ))
+    self._iterator.set_state(_from_json(state["iterator"]))
+
+  def close(self) -> None:
+    """Stops the prefetch thread, if any; the pipeline returns no more batches."""
+    self._release()
+
+
+def _close(box: list) -> None:
+  while box:
+    box.pop().close()
+
+
+def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
+                  process_count: int = 1) -> Pipeline:
+  """The batches of this process (module docstring). cfg: the data config; batch_size: this process's rows;
+  seed: the shuffle's and the random sources' (an int in [0, 2³²)). ValueError naming the field for bad values."""
+  f = _fields(cfg)
+  seq_len = _int_field(seq_len, "seq_len", 1, "data")
+  batch_size = _int_field(batch_size, "batch_size", 1, "data")
+  seed = _int_field(seed, "seed", 0, "data")
+  if seed >= 2**32:
+    raise ValueError(f"data: `seed` must be below 2**32, got {seed}")
+  process_count = _int_field(process_count, "process_count", 1, "data")
+  process_index = _int_field(process_index, "process_index", 0, "data")
+  if process_index >= process_count:
+    raise ValueError(f"data: `process_index` ({process_index}) must be below `process_count` ({process_count})")
+  length = seq_len + 1
+  tokenizer = None
+  if f["source"] == "text":
+    source = sources.TextSource(f["text_dir"], f["block_chars"])
+    tokenizer = tokenizers.make_tokenizer(f["tokenizer"], f["vocab_size"], source.texts_dir)
+    vocab_size = tokenizer.vocab_size
+  elif f["source"] == "random":
+    source = sources.RandomTokens(f["vocab_size"], length, f["num_records"], seed)
+    vocab_size = f["vocab_size"]
+  else:
+    if length < 2 * f["mqar_pairs"] + 2:
+      raise ValueError(f"data config: `mqar_pairs` ({f['mqar_pairs']}) leaves no room for a query in a row of "
+                       f"seq_len + 1 = {length} tokens (needs seq_len ≥ {2 * f['mqar_pairs'] + 1})")
+    source = sources.MQARSource(f["vocab_size"], length, f["mqar_pairs"], f["num_records"], seed)
+    vocab_size = f["vocab_size"]
+  if len(source) < process_count:
+    raise ValueError(f"data: `process_count` ({process_count}) exceeds the source's {len(source)} records")
+
+  ds = grain.MapDataset.source(source)[process_index::process_count]
+  ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat()
+  if f["source"] == "text":
+    eos = np.array([tokenizer.eos_id], np.int32)
+    ds = ds.map(lambda text: {"ids": np.concatenate([tokenizer.encode(text), eos])})
+    rows = grain.experimental.ConcatThenSplitIterDataset(ds.to_iter_dataset(_READ), length_struct={"ids": length})
+    rows = rows.map(lambda row: {"ids": row["ids"], "doc": row["ids_segment_ids"]})
+  elif f["source"] == "random":
+    rows = ds.map(lambda ids: {"ids": ids, "doc": np.zeros(length, np.int32)}).to_iter_dataset(_READ)
+  else:
+    rows = ds.map(lambda r: {"ids": r["ids"], "doc": np.zeros(length, np.int32), "weight": r["target_mask"]})
+    rows = rows.to_iter_dataset(_READ)
+  batches = rows.batch(batch_size, drop_remainder=True).map(_finish)
+  if f["prefetch"]:
+    batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=f["prefetch"])
+
+  signature = dict(source=f["source"], seq_len=seq_len, batch_size=batch_size, seed=seed,
+                   process_index=process_index, process_count=process_count, vocab_size=vocab_size,
+                   records=len(source))
+  if f["source"] == "text":
+    signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"])
+  elif f["source"] == "mqar":
+    signature.update(mqar_pairs=f["mqar_pairs"])
+  return Pipeline(batches, vocab_size=vocab_size, tokenizer=tokenizer, signature=signature)
+
+
+# grain's iterator states hold tuples, and may hold bytes and numpy scalars, which JSON lacks: they travel tagged.
+def _to_json(x):
+  if isinstance(x, collections.abc.Mapping):
+    if not all(isinstance(k, str) for k in x):
+      raise TypeError(f"data: state keys must be strings, got {list(x)}")
+    return {k: _to_json(v) for k, v in x.items()}
+  if isinstance(x, tuple):
+    return {"__tuple__": [_to_json(v) for v in x]}
+  if isinstance(x, list):
+    return [_to_json(v) for v in x]
+  if isinstance(x, bytes):
+    return {"__bytes__": base64.b64encode(x).decode("ascii")}
+  if isinstance(x, np.generic):
+    return x.item()
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return x
+  raise TypeError(f"data: cannot store {type(x).__name__} in a pipeline state")
+
+
+def _from_json(x):
+  if isinstance(x, dict):
+    if set(x) == {"__tuple__"}:
+      return tuple(_from_json(v) for v in x["__tuple__"])
+    if set(x) == {"__bytes__"}:
+      return base64.b64decode(x["__bytes__"])
+    return {k: _from_json(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_from_json(v) for v in x]
+  return x

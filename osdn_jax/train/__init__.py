@@ -1,0 +1,9 @@
+"""Training: named configs, the optimiser, the chunked loss, the mesh, checkpoints, metrics and the loop.
+
+    python -m osdn_jax.train --config=tiny --workdir=/tmp/run             # CPU, about a minute
+    python -m osdn_jax.train --config=340m --config.model=pgdn-340m --workdir=runs/pgdn   # one GPU or several
+"""
+from osdn_jax.train.configs import get_config, validate
+from osdn_jax.train.loop import NonFiniteError, train
+
+__all__ = ["NonFiniteError", "get_config", "train", "validate"]

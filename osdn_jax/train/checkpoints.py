@@ -1,0 +1,71 @@
+"""Checkpoints: orbax's CheckpointManager (asynchronous, keep-N, atomic) holding the training state and each
+process's data-iterator position, under DIR/checkpoints/<step>/.
+
+A step directory appears only once its save is complete (orbax writes to a temporary name and renames), so a
+process killed mid-save leaves the previous checkpoints intact and the temporary one is removed at the next
+start. A complete checkpoint that cannot be read (a damaged file) is skipped with a warning naming it, and the
+one before it is tried.
+"""
+from __future__ import annotations
+
+import json
+
+import grain.checkpoint
+import orbax.checkpoint as ocp
+from absl import logging
+
+
+class _DataPosition:
+  """A data position in the duck type grain's orbax handler saves and restores (get_state/set_state as
+  bytes): a snapshot taken when the save is asked for, so an asynchronous save never sees a later position."""
+
+  def __init__(self, state=None):
+    self.state = state
+
+  def get_state(self) -> bytes:
+    return json.dumps(self.state).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.state = json.loads(state)
+
+  def start_prefetch(self) -> None:
+    pass
+
+
+class Checkpoints:
+  def __init__(self, directory, *, keep: int, async_save: bool = True):
+    self.directory = directory
+    self.manager = ocp.CheckpointManager(
+        directory, item_names=("state", "data"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                             cleanup_tmp_directories=True, create=True))
+
+  def save(self, step: int, state, data_state) -> None:
+    """Starts saving `state` (a pytree of arrays) and `data_state` (JSON-able) as checkpoint `step`."""
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(_DataPosition(data_state))))
+
+  def restore_latest(self, abstract_state):
+    """(step, state, data_state) of the newest readable checkpoint, or None if there is none.
+
+    abstract_state: the state's pytree of jax.ShapeDtypeStruct with shardings (where the arrays go)."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      position = _DataPosition()
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(position)))
+      except Exception as e:  # noqa: BLE001 — any unreadable checkpoint falls back to the one before
+        logging.warning("checkpoint %s/%d cannot be restored (%s: %s); falling back to the previous one",
+                        self.directory, step, type(e).__name__, str(e).splitlines()[0][:300])
+        continue
+      return step, restored["state"], position.state
+    return None
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()

@@ -1,0 +1,148 @@
+"""Named training configurations (`ml_collections.ConfigDict`) and their validation.
+
+    python -m osdn_jax.train --config=tiny --workdir=/tmp/run --config.steps=200 --config.model=pgdn-tiny
+
+`get_config(name)` is the file's ml_collections entry point (`--config=osdn_jax/train/configs.py:340m` works
+too). Names: tiny (CPU, bytes of the text corpus, about a minute), 340m and 1.3b (the paper's recipes: 2048
+tokens per row, 16 rows per GPU for 340M, BPE 32000), each with any registry point through `model`.
+
+Fields (every one overridable from the command line):
+  model         a `models.config` name "<point>-<size>"; the vocabulary is the data's, not the size's
+  dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
+  implementation, chunk_size   the solve's (`ops` vocabulary: auto | reference | xla | pallas)
+  remat         what a block keeps for the backward (`models.config.REMAT_POLICIES`)
+  seq_len, batch_size   tokens per row and rows per optimiser step over all devices
+  grad_accum    microbatches per step (batch_size / grad_accum rows each)
+  loss_chunk    tokens per piece of the cross-entropy (the [tokens, vocab] logits exist one piece at a time)
+  steps         the schedule's length; log_every, checkpoint_every, diagnostics_every count steps (0: never;
+                the last step is always logged, and checkpointed unless checkpoint_every is 0)
+  keep_checkpoints, async_checkpoint, seed, progress
+  optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr), b1, b2, eps, weight_decay, clip
+  mesh          data, fsdp, tensor: device counts per axis; one of them may be -1 (the rest of the devices)
+  data          `osdn_jax.data.make_pipeline`'s fields: source, tokenizer, vocab_size, text_dir, num_records,
+                mqar_pairs, prefetch
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from osdn_jax.models.config import REMAT_POLICIES, config as model_config
+
+DTYPES = ("float32", "bfloat16")
+
+
+def base() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = "gdn-340m"
+  c.dtype = "bfloat16"
+  c.implementation = "auto"
+  c.chunk_size = 64
+  c.remat = "dots_solve"
+  c.seq_len = 2048
+  c.batch_size = 16
+  c.grad_accum = 1
+  c.loss_chunk = 2048
+  c.steps = 1000
+  c.log_every = 10
+  c.checkpoint_every = 500
+  c.diagnostics_every = 0
+  c.keep_checkpoints = 3
+  c.async_checkpoint = True
+  c.seed = 0
+  c.progress = True
+  c.optimizer = ml_collections.ConfigDict(dict(
+      lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip=1.0))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.data = ml_collections.ConfigDict(dict(
+      source="text", tokenizer="bpe", vocab_size=32000, text_dir="", block_chars=8192, num_records=100_000, mqar_pairs=8,
+      prefetch=2))
+  return c
+
+
+def tiny() -> ml_collections.ConfigDict:
+  """A 2-layer GDN on the corpus's bytes: trains on a CPU in about a minute (fp32, so runs reproduce exactly)."""
+  c = base()
+  c.model = "gdn-tiny"
+  c.dtype = "float32"
+  c.remat = "none"
+  c.seq_len = 128
+  c.batch_size = 8
+  c.loss_chunk = 256
+  c.steps = 200
+  c.log_every = 10
+  c.checkpoint_every = 100
+  c.diagnostics_every = 50
+  c.optimizer.lr = 3e-3
+  c.optimizer.warmup_steps = 4
+  c.data.tokenizer = "byte"
+  c.data.vocab_size = 256
+  c.data.prefetch = 0
+  return c
+
+
+def recipe_340m() -> ml_collections.ConfigDict:
+  """The paper's 340M recipe per GPU: 16 rows × 2048 tokens, bf16 compute, BPE 32000 on the text corpus."""
+  return base()
+
+
+def recipe_1_3b() -> ml_collections.ConfigDict:
+  c = base()
+  c.model = "gdn-1.3b"
+  c.batch_size = 8
+  return c
+
+
+CONFIGS = {"tiny": tiny, "340m": recipe_340m, "1.3b": recipe_1_3b}
+
+
+def get_config(name: str = "tiny") -> ml_collections.ConfigDict:
+  """The named config (ml_collections' entry point: `--config=configs.py:NAME`)."""
+  if name not in CONFIGS:
+    raise ValueError(f"train: unknown `config` {name!r}; named configs: {', '.join(CONFIGS)} "
+                     "(or a path to a .py file with get_config())")
+  return CONFIGS[name]()
+
+
+def _int(c, field, *, minimum=1):
+  value = c[field]
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"train config: `{field}` must be an int ≥ {minimum}, got {value!r}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """ValueError naming the field for anything the trainer cannot run. The mesh against the devices and the
+  data fields are checked where they are used (`train.mesh`, `osdn_jax.data`)."""
+  try:
+    model_config(c.model)
+  except ValueError as e:
+    raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
+  if c.dtype not in DTYPES:
+    raise ValueError(f"train config: `dtype` must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+  if c.remat not in REMAT_POLICIES:
+    raise ValueError(f"train config: `remat` must be one of {', '.join(REMAT_POLICIES)}, "
+                     f"got {c.remat!r}")
+  for field in ("seq_len", "batch_size", "grad_accum", "loss_chunk", "steps", "keep_checkpoints"):
+    _int(c, field)
+  for field in ("log_every", "checkpoint_every", "diagnostics_every", "seed"):
+    _int(c, field, minimum=0)
+  if c.batch_size % c.grad_accum:
+    raise ValueError(f"train config: `grad_accum` ({c.grad_accum}) must divide `batch_size` ({c.batch_size})")
+  o = c.optimizer
+  for field in ("lr", "b1", "b2", "eps", "weight_decay", "clip", "min_lr_ratio"):
+    if not isinstance(o[field], (int, float)) or o[field] < 0:
+      raise ValueError(f"train config: `optimizer.{field}` must be a number ≥ 0, got {o[field]!r}")
+  if not 0 <= o.b1 < 1 or not 0 <= o.b2 < 1:
+    raise ValueError(f"train config: `optimizer.b1` and `optimizer.b2` must lie in [0, 1), got {o.b1}, {o.b2}")
+  _int(o, "warmup_steps", minimum=0)
+  if o.warmup_steps >= c.steps:
+    raise ValueError(f"train config: `optimizer.warmup_steps` ({o.warmup_steps}) must be below `steps` "
+                     f"({c.steps})")
+  for field in ("data", "fsdp", "tensor"):
+    size = c.mesh[field]
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ValueError(f"train config: `mesh.{field}` must be a positive int or -1, got {size!r}")
+  if [c.mesh[a] for a in ("data", "fsdp", "tensor")].count(-1) > 1:
+    raise ValueError("train config: at most one of `mesh.data`, `mesh.fsdp`, `mesh.tensor` may be -1")
+  if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
+    raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
+                     f"got {c.implementation!r}")

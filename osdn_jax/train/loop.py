@@ -1,0 +1,165 @@
+"""The training loop: build the mesh, data, model and optimiser from a config; restore the newest checkpoint in
+the work directory if there is one; step, log, checkpoint; stop on a non-finite loss or gradient norm.
+
+    osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from osdn_jax import data as data_lib
+from osdn_jax import models
+from osdn_jax.train import configs, mesh as mesh_lib, optim
+from osdn_jax.train.checkpoints import Checkpoints
+from osdn_jax.train.metrics import Progress, Writer
+from osdn_jax.train.step import graphdef, init_state, make_train_step, segments_bound
+
+
+class NonFiniteError(FloatingPointError):
+  """Raised when a logged loss or gradient norm is NaN or ±Inf."""
+
+
+def model_config(config, vocab_size: int) -> models.ModelConfig:
+  return models.config(config.model, vocab_size=vocab_size, dtype=jnp.dtype(config.dtype),
+                       chunk_size=config.chunk_size, implementation=config.implementation, remat=config.remat)
+
+
+def _rows_per_process(config, mesh) -> int:
+  processes = jax.process_count()
+  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.batch_size % split:
+    raise ValueError(f"train config: `batch_size` ({config.batch_size}) must be a multiple of the mesh's "
+                     f"data × fsdp size ({split})")
+  if (config.batch_size // config.grad_accum) % split:
+    raise ValueError(f"train config: the microbatch (`batch_size` / `grad_accum` = "
+                     f"{config.batch_size // config.grad_accum} rows) must be a multiple of the mesh's "
+                     f"data × fsdp size ({split})")
+  if config.batch_size % processes:
+    raise ValueError(f"train config: `batch_size` ({config.batch_size}) must split over {processes} processes")
+  return config.batch_size // processes
+
+
+def _global_batch(batch: dict, sharding) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def _shard_state(abstract, mesh):
+  params_sh = mesh_lib.param_shardings(abstract["params"], mesh)
+  replicated = NamedSharding(mesh, P())
+  return {"step": replicated, "params": params_sh,
+          "opt_state": mesh_lib.like_params(abstract["opt_state"], abstract["params"], params_sh, mesh),
+          "rng": replicated}
+
+
+def _check_finite(step: int, values: dict, last_good) -> None:
+  for name in ("loss", "grad_norm"):
+    v = float(values[name])
+    if not math.isfinite(v):
+      where = f"checkpoint {last_good[0]} ({last_good[1]})" if last_good else "none (no checkpoint was written)"
+      raise NonFiniteError(f"training stopped at step {step}: `{name}` is {v}; the last good checkpoint is "
+                           f"{where}")
+
+
+def _peak_memory_gb():
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def train(config, workdir) -> dict:
+  """Runs (or resumes) the run described by `config` in `workdir`; returns the last logged metrics."""
+  configs.validate(config)
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  lead = jax.process_index() == 0
+  mesh = mesh_lib.make_mesh(config.mesh)
+  rows = _rows_per_process(config, mesh)
+  pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=rows, seed=config.seed,
+                                    process_index=jax.process_index(), process_count=jax.process_count())
+  cfg = model_config(config, pipeline.vocab_size)
+  mesh_lib.check_heads(cfg, mesh)
+  if lead:
+    (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+  tx = optim.make(config.optimizer, config.steps)
+  schedule = optim.schedule(config.optimizer, config.steps)
+
+  abstract = jax.eval_shape(lambda: init_state(cfg, tx, config.seed))
+  state_sh = _shard_state(abstract, mesh)
+  ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints,
+                     async_save=config.async_checkpoint)
+  restored = ckpt.restore_latest(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                              abstract, state_sh))
+  if restored is None:
+    state = jax.jit(lambda: init_state(cfg, tx, config.seed), out_shardings=state_sh)()
+    start = 0
+  else:
+    start, state, data_state = restored
+    pipeline.set_state(data_state)
+    logging.info("resumed from checkpoint %d in %s", start, workdir / "checkpoints")
+  last_good = (start, str(workdir / "checkpoints" / str(start))) if restored else None
+
+  graph = graphdef(cfg)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  step_fn = jax.jit(make_train_step(graph, tx, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,
+                                    schedule=schedule),
+                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
+                    static_argnums=2)
+  diag_fn = jax.jit(lambda params, tokens: nnx.merge(graph, params).diagnostics(tokens))
+  if lead:
+    logging.info("model %s: %s parameters; mesh %s; %d × %d tokens per step", config.model,
+                 f"{models.count_params(cfg):,}", dict(mesh.shape), config.batch_size, config.seq_len)
+
+  writer = Writer(workdir, enabled=lead, resume_step=start)
+  progress = Progress(total=config.steps, initial=start, enabled=lead and config.progress)
+  tokens_per_step = config.batch_size * config.seq_len
+  last, t0, since = {}, time.perf_counter(), 0
+  try:
+    for step in range(start + 1, config.steps + 1):
+      host = next(pipeline)
+      bound = segments_bound(host["segment_ids"])
+      if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
+        bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
+      batch = _global_batch(host, batch_sh)
+      with jax.set_mesh(mesh):
+        state, metrics = step_fn(state, batch, bound)
+      since += 1
+      diagnose = config.diagnostics_every and step % config.diagnostics_every == 0
+      log = diagnose or (config.log_every and (step % config.log_every == 0 or step == config.steps))
+      save = config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps)
+      if log or save:
+        values = jax.device_get(metrics)
+        _check_finite(step, values, last_good)
+      if log:
+        elapsed = time.perf_counter() - t0
+        row = {"loss": values["loss"], "grad_norm": values["grad_norm"], "lr": values["lr"],
+               "tokens_per_s": since * tokens_per_step / elapsed, "step_time_s": elapsed / since}
+        if (peak := _peak_memory_gb()) is not None:
+          row["peak_memory_gb"] = peak
+        if diagnose:
+          with jax.set_mesh(mesh):
+            diag = jax.device_get(diag_fn(state["params"], batch["tokens"][:min(rows, 4)]))
+          row.update(q_geo=list(diag["q_geo"]), state_norm=list(diag["state_norm"]))
+        writer.write(step, row)
+        last = {"step": step, **row}
+        progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        t0, since = time.perf_counter(), 0
+      if save:
+        ckpt.save(step, state, pipeline.get_state())
+        last_good = (step, str(workdir / "checkpoints" / str(step)))
+    ckpt.wait()
+  finally:
+    progress.close()
+    writer.close()
+    ckpt.close()
+  return last

@@ -1,0 +1,69 @@
+"""What a run reports: DIR/metrics.jsonl (one JSON object per logged step), TensorBoard event files under
+DIR/tensorboard, and a progress bar (step, loss, tokens/s, ETA). Only process 0 writes."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import tensorboardX
+import tqdm
+
+
+def _scalar(v):
+  return float(v) if not isinstance(v, (list, tuple)) else [float(x) for x in v]
+
+
+class Writer:
+  """Appends logged steps to metrics.jsonl and TensorBoard. resume_step: the step a resumed run restarted
+  from; lines and events logged after it by the interrupted run are dropped, so each step is logged once."""
+
+  def __init__(self, workdir, *, enabled: bool, resume_step: int = 0):
+    self.enabled = enabled
+    if not enabled:
+      return
+    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    if self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= resume_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    self.file = self.path.open("a")
+    self.tb = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+
+  def write(self, step: int, scalars: dict) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _scalar(v) for k, v in scalars.items()}}
+    self.file.write(json.dumps(row, allow_nan=True) + "\n")
+    self.file.flush()
+    for key, value in row.items():
+      if key == "step":
+        continue
+      if isinstance(value, list):
+        for i, x in enumerate(value):
+          if math.isfinite(x):
+            self.tb.add_scalar(f"{key}/layer_{i:02d}", x, step)
+      elif math.isfinite(value):
+        self.tb.add_scalar(key, value, step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self.file.close()
+      self.tb.close()
+
+
+class Progress:
+  """A tqdm bar on process 0: position, ETA, and the last logged loss and tokens/s."""
+
+  def __init__(self, *, total: int, initial: int, enabled: bool):
+    self.bar = tqdm.tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if enabled else None
+
+  def update(self, n: int = 1, **postfix) -> None:
+    if self.bar is not None:
+      if postfix:
+        self.bar.set_postfix(postfix, refresh=False)
+      self.bar.update(n)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()

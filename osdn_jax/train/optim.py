@@ -1,0 +1,37 @@
+"""The optimiser: AdamW with a warm-up + cosine schedule, global-norm clipping and a weight-decay mask.
+
+    lr(s) = lr · s / warmup                                       s < warmup
+          = lr · (r + (1 − r) · ½(1 + cos(π (s − warmup) / (steps − warmup))))   after; r = min_lr_ratio
+
+Weight decay applies to the matrices (Linear kernels, the tied embedding, the short-conv filters) and to
+nothing else: not to norm scales, biases, or the point's own parameters (decay gates A_log / dt_bias, the PDN
+centre, a fixed scale) — those set time scales and offsets, which decay would drag towards zero.
+"""
+from __future__ import annotations
+
+import jax
+import optax
+
+_DECAYED = ("kernel", "embed", "weight")   # Linear kernels, the embedding, ShortConv's filter
+
+
+def schedule(opt, steps: int) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps, decay_steps=steps,
+      end_value=opt.lr * opt.min_lr_ratio)
+
+
+def decay_mask(params):
+  """A pytree of bools like params (a nested dict of arrays): True where weight decay applies."""
+  def decayed(path, _):
+    names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+    return names[-1] in _DECAYED and "point_params" not in names
+  return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def make(opt, steps: int) -> optax.GradientTransformation:
+  """clip(global norm) → AdamW(b1, b2, eps, weight decay on the masked leaves) at `schedule`."""
+  return optax.chain(
+      optax.clip_by_global_norm(opt.clip),
+      optax.adamw(schedule(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                  mask=decay_mask))

@@ -1,0 +1,86 @@
+"""The training state and one optimiser step (forward, backward, optional gradient accumulation, update).
+
+state = {"step": int32 (completed steps), "params": the model's parameters (nested dict, fp32),
+         "opt_state": the optimiser's, "rng": uint32 [2] (the run's key data, for stochastic layers)}
+batch = {"tokens", "targets", "segment_ids": int32 [B, T], "loss_mask": float32 [B, T]}
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from osdn_jax.models import LanguageModel
+from osdn_jax.train.loss import cross_entropy
+
+
+_norm = optax.tree.norm if hasattr(optax, "tree") and hasattr(optax.tree, "norm") else optax.global_norm
+
+
+def init_state(model_cfg, tx, seed: int) -> dict:
+  """A fresh state: the model initialised from `seed`, the optimiser's state, step 0."""
+  model = LanguageModel(model_cfg, rngs=nnx.Rngs(seed))
+  params = nnx.state(model, nnx.Param).to_pure_dict()
+  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+          "rng": jax.random.key_data(jax.random.key(seed))}
+
+
+def graphdef(model_cfg):
+  """The model's structure without its arrays (`nnx.merge(graphdef, params)` rebuilds the model)."""
+  return nnx.split(nnx.eval_shape(lambda: LanguageModel(model_cfg, rngs=nnx.Rngs(0))))[0]
+
+
+def segments_bound(segment_ids, minimum: int = 4) -> int:
+  """A static bound on the segments per row of concrete segment_ids [B, T]: the next power of two ≥ the
+  largest count (at least `minimum`), so that only a few bounds (and compilations) ever occur."""
+  ids = np.asarray(segment_ids)
+  most = int(1 + np.max(np.sum(ids[:, 1:] != ids[:, :-1], axis=1))) if ids.shape[1] > 1 else 1
+  return max(minimum, 1 << (most - 1).bit_length())
+
+
+def loss_sum(graph, params, batch, *, loss_chunk: int, segments_per_row=None):
+  """Σ over unmasked tokens of −log p(target), fp32, and nothing [B, T, vocab] in memory (`train.loss`)."""
+  model = nnx.merge(graph, params)
+  hidden = model.hidden(batch["tokens"], segment_ids=batch["segment_ids"], segments_per_row=segments_per_row)
+  return cross_entropy(hidden, params["embed"], batch["targets"], batch["loss_mask"], chunk=loss_chunk)
+
+
+def make_train_step(graph, tx: optax.GradientTransformation, *, grad_accum: int = 1, loss_chunk: int = 2048,
+                    schedule=None):
+  """step(state, batch, segments_per_row=None) → (state, metrics {loss, grad_norm, lr, tokens}).
+
+  segments_per_row: static (`segments_bound` of the batch's segment_ids; jit it as a static argument).
+
+  The loss is the mean over unmasked tokens of the whole batch; with grad_accum = n the batch's rows are taken
+  as n microbatches (row r in microbatch r mod n, so each stays spread over the data axes) whose summed losses
+  and gradients are accumulated in fp32 before the one update.
+  """
+  def step(state, batch, segments_per_row=None):
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sum(graph, p, b, loss_chunk=loss_chunk,
+                                                       segments_per_row=segments_per_row))
+    params = state["params"]
+    count = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    if grad_accum == 1:
+      total, grads = grad_fn(params, batch)
+    else:
+      split = lambda x: jnp.moveaxis(x.reshape((x.shape[0] // grad_accum, grad_accum) + x.shape[1:]), 1, 0)
+
+      def micro(carry, mb):
+        total, grads = carry
+        t, g = grad_fn(params, mb)
+        return (total + t, jax.tree.map(jnp.add, grads, g)), None
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+      (total, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), jax.tree.map(split, batch))
+    grads = jax.tree.map(lambda g: g / count, grads)
+    grad_norm = _norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new = dict(state, step=state["step"] + 1, params=optax.apply_updates(params, updates), opt_state=opt_state)
+    metrics = {"loss": total / count, "grad_norm": grad_norm, "tokens": count}
+    if schedule is not None:
+      metrics["lr"] = schedule(state["step"])
+    return new, metrics
+
+  return step
