@@ -245,6 +245,9 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
   want, got = _metrics(tmp_path / "whole"), _metrics(tmp_path / "run")
   assert [r["step"] for r in got] == list(range(1, 7))
   np.testing.assert_array_equal([r["loss"] for r in got], [r["loss"] for r in want])
+  other = _tiny(steps=6, log_every=1, checkpoint_every=2, model="pgdn-tiny")   # no checkpoint fits this model
+  with pytest.raises(RuntimeError, match="can be restored into this run's state"):
+    loop.train(other, tmp_path / "run")
 
 
 def test_nan_guard_names_step_metric_and_last_checkpoint(tmp_path, monkeypatch):

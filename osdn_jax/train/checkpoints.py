@@ -48,8 +48,11 @@ class Checkpoints:
   def restore_latest(self, abstract_state):
     """(step, state, data_state) of the newest readable checkpoint, or None if there is none.
 
-    abstract_state: the state's pytree of jax.ShapeDtypeStruct with shardings (where the arrays go)."""
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    abstract_state: the state's pytree of jax.ShapeDtypeStruct with shardings (where the arrays go). Raises
+    RuntimeError when checkpoints exist but none can be read (a run of another model, say): starting afresh
+    there would mix two runs in one directory."""
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
       position = _DataPosition()
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -59,6 +62,9 @@ class Checkpoints:
                         self.directory, step, type(e).__name__, str(e).splitlines()[0][:300])
         continue
       return step, restored["state"], position.state
+    if steps:
+      raise RuntimeError(f"none of the checkpoints {sorted(steps)} in {self.directory} can be restored into this "
+                         "run's state (the warnings above say why); use a new work directory")
     return None
 
   def latest_step(self):

@@ -106,7 +106,8 @@ def train(config, workdir) -> dict:
   else:
     start, state, data_state = restored
     pipeline.set_state(data_state)
-    logging.info("resumed from checkpoint %d in %s", start, workdir / "checkpoints")
+    logging.info("resumed from checkpoint %d in %s%s", start, workdir / "checkpoints",
+                 "; the run is already complete" if start >= config.steps else "")
   last_good = (start, str(workdir / "checkpoints" / str(start))) if restored else None
 
   graph = graphdef(cfg)
@@ -162,4 +163,5 @@ def train(config, workdir) -> dict:
     progress.close()
     writer.close()
     ckpt.close()
+    pipeline.close()
   return last
