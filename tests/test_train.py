@@ -150,7 +150,8 @@ def test_remat_policies_equal_no_remat(variant):
 
 
 def test_segments_bound():
-  assert segments_bound(np.zeros((2, 8), np.int32)) == 4
+  assert segments_bound(np.zeros((2, 8), np.int32)) == 1           # one sequence per row: unpacked
+  assert segments_bound(np.array([[0, 0, 1, 1], [0, 0, 0, 0]])) == 4
   ids = np.array([[0, 0, 1, 2, 3, 4, 5, 5], [0, 0, 0, 0, 0, 0, 0, 1]])
   assert segments_bound(ids) == 8 and segments_bound(ids, minimum=1) == 8
   assert segments_bound(np.array([[0, 1, 2, 2]]), minimum=1) == 4

@@ -33,17 +33,20 @@ def graphdef(model_cfg):
 
 
 def segments_bound(segment_ids, minimum: int = 4) -> int:
-  """A static bound on the segments per row of concrete segment_ids [B, T]: the next power of two ≥ the
-  largest count (at least `minimum`), so that only a few bounds (and compilations) ever occur."""
+  """A static bound on the segments per row of concrete segment_ids [B, T]: 1 when every row is one sequence
+  (the step then runs unpacked), else the next power of two ≥ the largest count and ≥ `minimum`, so that only
+  a few bounds (and compilations) ever occur."""
   ids = np.asarray(segment_ids)
   most = int(1 + np.max(np.sum(ids[:, 1:] != ids[:, :-1], axis=1))) if ids.shape[1] > 1 else 1
-  return max(minimum, 1 << (most - 1).bit_length())
+  return 1 if most == 1 else max(minimum, 1 << (most - 1).bit_length())
 
 
 def loss_sum(graph, params, batch, *, loss_chunk: int, segments_per_row=None):
   """Σ over unmasked tokens of −log p(target), fp32, and nothing [B, T, vocab] in memory (`train.loss`)."""
   model = nnx.merge(graph, params)
-  hidden = model.hidden(batch["tokens"], segment_ids=batch["segment_ids"], segments_per_row=segments_per_row)
+  packed = segments_per_row is None or segments_per_row > 1
+  hidden = model.hidden(batch["tokens"], segment_ids=batch["segment_ids"] if packed else None,
+                        segments_per_row=segments_per_row if packed else None)
   return cross_entropy(hidden, params["embed"], batch["targets"], batch["loss_mask"], chunk=loss_chunk)
 
 
