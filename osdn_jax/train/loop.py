@@ -51,6 +51,18 @@ def _rows_per_process(config, mesh) -> int:
   return config.batch_size // processes
 
 
+def check_token_ids(batch: dict, vocab_size: int, step: int) -> None:
+  """ValueError naming the step, row and position of the first id outside [0, vocab_size) in a host batch's
+  tokens or targets (an id out of range would otherwise be clamped or poison the whole row on the device)."""
+  for name in ("tokens", "targets"):
+    ids = np.asarray(batch[name])
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+      row, pos = map(int, np.argwhere(bad)[0])
+      raise ValueError(f"step {step}: `{name}`[{row}, {pos}] = {int(ids[row, pos])} is outside the vocabulary "
+                       f"[0, {vocab_size})")
+
+
 def _global_batch(batch: dict, sharding) -> dict:
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
@@ -128,6 +140,7 @@ def train(config, workdir) -> dict:
   try:
     for step in range(start + 1, config.steps + 1):
       host = next(pipeline)
+      check_token_ids(host, cfg.vocab_size, step)
       bound = segments_bound(host["segment_ids"])
       if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
         bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
