@@ -4,6 +4,7 @@ the fallback from a damaged checkpoint, the NaN guard, and what a run writes."""
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -136,12 +137,15 @@ def test_remat_policies_equal_no_remat(variant):
   seg = np.sort(rng.integers(0, 3, (2, 32)), axis=1)
   batch = dict(tokens=jnp.asarray(tokens[:, :-1], jnp.int32), targets=jnp.asarray(tokens[:, 1:], jnp.int32),
                segment_ids=jnp.asarray(seg, jnp.int32), loss_mask=jnp.ones((2, 32), F32))
-  results = {}
+  results, remats = {}, {}
   for policy in REMAT_POLICIES:
     cfg = models.config(f"{variant}-tiny", remat=policy, chunk_size=16)
     params = nnx.state(models.build(cfg), nnx.Param).to_pure_dict()
-    results[policy] = jax.jit(jax.value_and_grad(
-        lambda p, b: loss_sum(graphdef(cfg), p, b, loss_chunk=8)))(params, batch)
+    fn = jax.value_and_grad(lambda p, b: loss_sum(graphdef(cfg), p, b, loss_chunk=8))
+    remats[policy] = len(re.findall(r"\b(remat2|checkpoint)\[", str(jax.make_jaxpr(fn)(params, batch))))
+    results[policy] = jax.jit(fn)(params, batch)
+  # Every policy but "none" adds a rematerialised block to the loss pieces' own.
+  assert all(n > remats["none"] for p, n in remats.items() if p != "none"), remats
   want_loss, want_grads = results["none"]
   for policy, (value, grads) in results.items():
     np.testing.assert_allclose(value, want_loss, rtol=1e-6, err_msg=policy)

@@ -257,9 +257,9 @@ class DGPSMixer(nnx.Module):
     x = x.astype(cfg.dtype)
     qkv, _ = self.conv(self._qkv(x))
     q, k, v = self._split_heads(jax.nn.silu(qkv))
-    prep = cfg.point.prepare(q, k, v, self._features(x), _values(self.point_params),
-                             implementation=cfg.implementation)
-    _, final = self._solve(q, k, v, self._features(x), segment_ids=None, state=None, return_cache=True)
+    features = self._features(x)
+    prep = cfg.point.prepare(q, k, v, features, _values(self.point_params), implementation=cfg.implementation)
+    _, final = self._solve(q, k, v, features, segment_ids=None, state=None, return_cache=True)
     state_norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(final["S"].astype(jnp.float32)), axis=(-2, -1))))
     if prep["beta"] is None or cfg.point.solve != "online":
       return {"q_geo": jnp.float32(jnp.nan), "state_norm": state_norm}

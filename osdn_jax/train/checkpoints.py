@@ -29,7 +29,7 @@ class _DataPosition:
     self.state = json.loads(state)
 
   def start_prefetch(self) -> None:
-    pass
+    """Called by grain's handler after a restore; a snapshot has nothing to prefetch."""
 
 
 class Checkpoints:
@@ -66,9 +66,6 @@ class Checkpoints:
       raise RuntimeError(f"none of the checkpoints {sorted(steps)} in {self.directory} can be restored into this "
                          "run's state (the warnings above say why); use a new work directory")
     return None
-
-  def latest_step(self):
-    return self.manager.latest_step()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
