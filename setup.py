@@ -4,7 +4,7 @@ EXTRAS = {
     "nn": ["flax"],
     "train": ["optax", "orbax-checkpoint", "grain", "absl-py", "ml_collections", "tokenizers", "tensorboardX",
               "tqdm", "matplotlib"],
-    "test": ["pytest", "pytest-xdist", "hypothesis", "chex"],
+    "test": ["pytest", "pytest-xdist", "hypothesis", "chex", "nbclient", "nbformat", "ipykernel"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
 

@@ -1,105 +1,41 @@
-"""The main job on a small default: a tour of the DGPS registry on random data.
+"""The main job on a small default (`make demo`, a CPU, about ten minutes): a small MQAR comparison of DN, PDN,
+OSDN, OSDN-APF, the `dn-fixed-d` control, GDN and PGDN.
 
-For every named point: the chunked XLA path (fp32) against the point's own token-serial composition (fp64):
-outputs, final state and the worst gradient over all inputs (q, k, v, projected features, parameters), as
-relative RMS; then the diagnostics of the run: q_geo (closed form from the gates, and measured through the
-recurrence), the range of the per-step eigenvalues, max ‖S_t‖₂ and the recall residual of the final state on
-all stored pairs; and the forward time of each implementation.
+Each variant is trained once with the trainer (`experiments.mqar`'s sweep at a CPU size: the `mqar` model,
+d_model 128 and 2 layers, on vocabulary 256, 250 steps of 16 rows of L = 64 tokens with 8 key-value pairs) and
+scored at kv ∈ {4, 8, 16} (16: twice the pairs it was trained on); the table gives the accuracy, q_geo and the
+recall residual, and the heat-maps go to OUT/demo.png.
 
-  python -m experiments.demo [--batch 2 --length 256 --heads 2 --value_heads 4 --dim 32 --chunk 64]
+  python -m experiments.demo [--steps=250 --out=results]
 """
 from __future__ import annotations
 
-import time
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from osdn_jax import diagnostics, dgps
-from osdn_jax.testing import random_point_inputs, rel_rms
+from experiments import mqar
 
-_B = flags.DEFINE_integer("batch", 2, "B")
-_T = flags.DEFINE_integer("length", 256, "T")
-_H = flags.DEFINE_integer("heads", 2, "H (key heads)")
-_HV = flags.DEFINE_integer("value_heads", 4, "HV (value heads, a multiple of H)")
-_D = flags.DEFINE_integer("dim", 32, "K = V")
-_CHUNK = flags.DEFINE_integer("chunk", 64, "chunk size")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per implementation (median)")
-_POINTS = flags.DEFINE_list("points", [], "registry keys to tour (default: all)")
-_EIG_TOKENS = 64   # per-step spectra are dense eigen-decompositions: only the first tokens
+VARIANTS = ("dn", "pdn", "osdn", "osdn-apf", "dn-fixed-d", "gdn", "pgdn")
+_STEPS = flags.DEFINE_integer("steps", 250, "optimiser steps per variant")
+_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), "registry points (name[:option=value,...])")
+_OUT = flags.DEFINE_string("out", "results", "output directory")
+_SMOKE = flags.DEFINE_bool("smoke", False, "the CI size: one variant, a few steps")
 
 
-def _run_with_grads(point, inputs, impl, dtype, chunk):
-  cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
-
-  def loss(q, k, v, features, params):
-    o, st = point(q, k, v, features, params, output_final_state=True, chunk_size=chunk, implementation=impl)
-    w = jnp.cos(jnp.arange(o.size, dtype=o.dtype)).reshape(o.shape)
-    return jnp.sum(o * w) + jnp.sum(jnp.sin(st["S"])), (o, st)
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*cast(inputs))
-  return out, grads
-
-
-def _median_ms(point, inputs, impl, chunk, repeats):
-  f = jax.jit(lambda *a: point(*a, chunk_size=chunk, implementation=impl)[0])
-  jax.block_until_ready(f(*inputs))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*inputs))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
-
-
-def _diagnostics(point, inputs):
-  f64 = [jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs]
-  x = point.prepare(*f64, implementation="reference")
-  online = point.solve == "online"
-  kw = dict(log_decay=x["log_decay"], online=online)
-  if online:
-    kw["k_write"] = x["k_write"]
-  _, spec = diagnostics.state_norms(x["k"] if online else x["k"], x["v"], x["beta"], **kw)
-  o, st = point(*f64, output_final_state=True, implementation="reference")
-  recall = float(jnp.mean(diagnostics.recall_residual(st["S"], x["k"], x["v"])))
-  if not online:
-    return "–", "–", "–", "–", float(jnp.max(spec)), recall
-  rho = diagnostics.rho_closed_form(x["k"], x["beta"], x["k_write"])
-  rho_m = diagnostics.rho_measured(x["k"], x["v"], x["beta"], k_write=x["k_write"], log_decay=x["log_decay"])
-  cut = lambda a: None if a is None else a[:, :_EIG_TOKENS]
-  eig = diagnostics.step_eigenvalues(cut(x["k"]), cut(x["beta"]), cut(x["k_write"]), cut(x["log_decay"]))
-  return (f"{float(diagnostics.q_geo(rho)):.4f}", f"{float(diagnostics.q_geo(rho_m)):.4f}",
-          f"{float(np.min(eig.real)):+.3f}", f"{float(np.max(np.abs(eig))):.3f}", float(jnp.max(spec)), recall)
+def sweep(variants=VARIANTS, steps: int = 250) -> mqar.Sweep:
+  return mqar.Sweep(variants=tuple(variants), lengths=(64,), kv=(4, 8, 16), train_kv=8, lrs=(5e-3,), steps=steps,
+                    batch_size=16, size="mqar", vocab_size=256, train_examples=20_000, test_examples=256,
+                    implementation="xla")
 
 
 def main(argv):
   del argv
-  jax.config.update("jax_enable_x64", True)
-  dims = dgps.Dims(_H.value, _HV.value, _D.value, _D.value)
-  b, t, c = _B.value, _T.value, _CHUNK.value
-  print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={dims.heads} HV={dims.value_heads} "
-        f"K=V={dims.key_dim} chunk={c}; errors: relative RMS, chunked fp32 vs the point's token-serial fp64")
-  head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'q_geo':>6} {'q_geo*':>6} "
-          f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'ref ms':>8}")
-  print(head + "\n" + "-" * len(head))
-  for name in _POINTS.value or dgps.names():
-    point = dgps.get(name)
-    inputs = random_point_inputs(point, dims, seed=0, B=b, T=t)
-    (o, st), g = _run_with_grads(point, inputs, "xla", jnp.float32, c)
-    (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "reference", jnp.float64, c)
-    err_g = max(rel_rms(a, r) for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
-    qg, qm, lo, hi, smax, recall = _diagnostics(point, inputs)
-    axes = f"{point.decay}/{point.gain}/{point.precond}/{point.solve}"
-    print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
-          f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
-          f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "
-          f"{_median_ms(point, inputs, 'reference', c, _REPEATS.value):8.2f}", flush=True)
-  print("q_geo: exp(mean log (1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
-        f"per-step transition's eigenvalues (first {_EIG_TOKENS} tokens, decay included). max‖S‖: largest "
-        "spectral norm of the state over the run. recall: mean ‖S_Tᵀk_j − v_j‖²/‖v_j‖² over all pairs. Inputs "
-        "are random projections, not a trained model: a tour of the machinery, not a comparison of variants.")
+  s = sweep(_VARIANTS.value, _STEPS.value)
+  if _SMOKE.value:
+    s = mqar.Sweep(**dict(mqar.SMOKE, kv=(2, 4), train_kv=4))
+  results = mqar.sweep_runs(s, _OUT.value, name="demo")
+  text, paths = mqar.report(s, results, _OUT.value, name="demo")
+  print(text)
+  print("wrote", ", ".join(str(p) for p in paths.values()))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ example counts of the hypothesis tests.
 The comparator is docs/design.md §4's: rms(x − y) ≤ rtol · rms(y) + atol, with y the reference. `close` is the
 criterion as a predicate (it never raises: the mutation tests assert that it fails); `assert_trees_close` asserts it
 after chex's checks of structure, shapes, finiteness and (where the caller knows the contract) dtypes. chex and
-pytest are imported inside the functions that use them: importing this module (experiments/demo.py does) pulls in
+pytest are imported inside the functions that use them: importing this module (experiments/tour.py does) pulls in
 nothing beyond jax and numpy.
 """
 from __future__ import annotations
@@ -21,6 +21,18 @@ FP32_TOL = (1e-5, 1e-6)
 BF16_TOL = {"o": 1e-2, "S": 1e-2, "q": 1.5e-2, "k": 1.5e-2, "k_write": 1.5e-2, "v": 1.5e-2,
             "initial_state": 1.5e-2, "beta": 3e-2, "log_decay": 3e-2}
 BF16_ATOL = 1e-5
+
+
+def needs_corpus():
+  """A pytest mark that skips a test reading the text corpus where it is not installed (`make data`)."""
+  import pytest
+  from osdn_jax.data.sources import corpus_files
+  try:
+    corpus_files()
+    missing = False
+  except FileNotFoundError:
+    missing = True
+  return pytest.mark.skipif(missing, reason="the text corpus is not installed: run `make data`")
 
 
 def rel_rms(x, y) -> float:

@@ -1,5 +1,6 @@
 """The input pipeline (`osdn_jax.data`): batch layout, packing against the source's records, determinism,
-checkpoint round trips with and without prefetch, process shards, MQAR answers, tokenizers, config errors.
+checkpoint round trips with and without prefetch, process shards, text splits, recall rows (MQAR, passkey),
+tokenizers, config errors.
 
 Tests of the text source need the corpus at its default place (`make data`, which `make install` runs) and skip
 without it."""
@@ -13,28 +14,28 @@ import time
 import numpy as np
 import pytest
 
-from osdn_jax import data
-from osdn_jax.data import pipeline, sources
+from osdn_jax import data, testing
+from osdn_jax.data import pipeline, recall, sources
 
 T, B = 64, 4
+PASSKEY_T = 256                                            # a passkey row holds a needle, a question and filler
 
 
-def _has_corpus() -> bool:
-  try:
-    sources.corpus_files()
-  except FileNotFoundError:
-    return False
-  return True
-
-
-needs_corpus = pytest.mark.skipif(not _has_corpus(), reason="the text corpus is not installed: run `make data`")
+needs_corpus = testing.needs_corpus()
 
 TEXT = dict(source="text", tokenizer="byte", prefetch=0, block_chars=1024)
 RANDOM = dict(source="random", vocab_size=1000, num_records=64, prefetch=0)
-MQAR = dict(source="mqar", vocab_size=129, mqar_pairs=8, num_records=64, prefetch=0)
+MQAR = dict(source="mqar", vocab_size=256, mqar_pairs=8, num_records=64, prefetch=0)
+PASSKEY = dict(source="passkey", passkey_digits=5, num_records=64, prefetch=0)
+SOURCE_CFGS = [pytest.param(TEXT, marks=needs_corpus), RANDOM, MQAR, PASSKEY]
 
 
-def _batches(cfg, n, *, seq_len=T, batch_size=B, seed=0, **kw):
+def _seq_len(cfg) -> int:
+  return PASSKEY_T if cfg["source"] == "passkey" else T
+
+
+def _batches(cfg, n, *, seq_len=None, batch_size=B, seed=0, **kw):
+  seq_len = _seq_len(cfg) if seq_len is None else seq_len
   pipe = data.make_pipeline(cfg, seq_len=seq_len, batch_size=batch_size, seed=seed, **kw)
   out = [next(pipe) for _ in range(n)]
   pipe.close()
@@ -54,19 +55,30 @@ def _digest(batches) -> str:
   return h.hexdigest()
 
 
-@pytest.mark.parametrize("cfg", [pytest.param(TEXT, marks=needs_corpus), RANDOM, MQAR], ids=lambda c: c["source"])
+@pytest.mark.parametrize("cfg", SOURCE_CFGS, ids=lambda c: c["source"])
 def test_batch_layout(cfg):
+  """Keys, shapes and dtypes; ids in the vocabulary; non-decreasing segment ids; a 0/1 loss mask. Text and random
+  rows are shifted by one (targets = the next token); recall rows have targets 0 and segment 0 wherever nothing is
+  scored, and as many scored positions as the task asks."""
+  t = _seq_len(cfg)
   batches = _batches(cfg, 3)
   for batch in batches:
     assert set(batch) == {"tokens", "targets", "segment_ids", "loss_mask"}
     for k, dtype in (("tokens", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
                      ("loss_mask", np.float32)):
-      assert batch[k].shape == (B, T) and batch[k].dtype == dtype, k
-    np.testing.assert_array_equal(batch["tokens"][:, 1:], batch["targets"][:, :-1])
+      assert batch[k].shape == (B, t) and batch[k].dtype == dtype, k
     assert np.all(np.diff(batch["segment_ids"], axis=1) >= 0)
     assert set(np.unique(batch["loss_mask"])) <= {0.0, 1.0}
-    vocab = 256 if cfg["source"] == "text" else cfg["vocab_size"]
-    assert 0 <= batch["tokens"].min() and batch["targets"].max() < vocab
+    if cfg["source"] in ("text", "random"):
+      np.testing.assert_array_equal(batch["tokens"][:, 1:], batch["targets"][:, :-1])
+    else:
+      assert np.all(batch["targets"][batch["loss_mask"] == 0] == 0)
+      assert np.all(batch["segment_ids"] == 0)
+      scored = cfg["mqar_pairs"] if cfg["source"] == "mqar" else cfg["passkey_digits"]
+      np.testing.assert_array_equal(batch["loss_mask"].sum(axis=1), scored)
+    vocab = 256 if cfg["source"] in ("text", "passkey") else cfg["vocab_size"]
+    for k in ("tokens", "targets"):
+      assert 0 <= batch[k].min() and batch[k].max() < vocab, k
 
 
 @needs_corpus
@@ -89,7 +101,23 @@ def test_text_rows_pack_the_shuffled_records_with_eos():
   assert len(set(whole)) == len(whole)                     # no record twice within an epoch
 
 
-@pytest.mark.parametrize("cfg", [pytest.param(TEXT, marks=needs_corpus), RANDOM, MQAR], ids=lambda c: c["source"])
+@needs_corpus
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_text_split_rows_hold_only_that_splits_blocks(split):
+  """The pipeline of one split packs only blocks of that split (the default split is "train")."""
+  cfg = dict(TEXT, split=split) if split != "train" else TEXT
+  pipe = data.make_pipeline(cfg, seq_len=T, batch_size=B, seed=0)
+  assert pipe.signature["split"] == split
+  eos = pipe.eos_id
+  batches = [next(pipe) for _ in range(40)]
+  pipe.close()
+  stream = np.concatenate([np.append(b["tokens"][r], b["targets"][r, -1]) for b in batches for r in range(B)])
+  whole = [pipe.tokenizer.decode(p) for p in np.split(stream, np.flatnonzero(stream == eos) + 1)[1:-1]]
+  records = set(data.TextSource("", TEXT["block_chars"], split).records)
+  assert len(whole) >= 5 and all(text in records for text in whole)
+
+
+@pytest.mark.parametrize("cfg", SOURCE_CFGS, ids=lambda c: c["source"])
 def test_same_seed_same_batches_other_seed_other_batches(cfg):
   a, b, c = (_batches(cfg, 4, seed=s) for s in (3, 3, 4))
   assert _same(a, b)
@@ -98,7 +126,7 @@ def test_same_seed_same_batches_other_seed_other_batches(cfg):
 
 def test_a_fresh_process_gives_the_same_batches_and_bpe():
   """Same batches (and, with the corpus, the same BPE from the same training) in another interpreter."""
-  cfg = TEXT if _has_corpus() else RANDOM
+  cfg = TEXT if not needs_corpus.args[0] else RANDOM
   code = ("import hashlib, json, sys\n"
           "from tests.test_data import SAMPLE, _batches, _digest, _small_bpe\n"
           "cfg = json.loads(sys.argv[1])\n"
@@ -114,12 +142,12 @@ def test_a_fresh_process_gives_the_same_batches_and_bpe():
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
-@pytest.mark.parametrize("cfg", [pytest.param(TEXT, marks=needs_corpus), RANDOM, MQAR], ids=lambda c: c["source"])
+@pytest.mark.parametrize("cfg", SOURCE_CFGS, ids=lambda c: c["source"])
 def test_state_round_trip(cfg, prefetch):
   """get_state describes the next batch, also while a prefetch thread reads ahead: a new pipeline (with or
   without prefetch) set to a JSON round trip of the state returns the same batches."""
-  cfg = dict(cfg, prefetch=prefetch)
-  pipe = data.make_pipeline(cfg, seq_len=T, batch_size=B, seed=1)
+  cfg, t = dict(cfg, prefetch=prefetch), _seq_len(cfg)
+  pipe = data.make_pipeline(cfg, seq_len=t, batch_size=B, seed=1)
   for _ in range(5):
     next(pipe)
   time.sleep(0.05 if prefetch else 0)                      # lets the prefetch thread read ahead
@@ -130,7 +158,7 @@ def test_state_round_trip(cfg, prefetch):
   later = [next(pipe) for _ in range(2)]
   pipe.close()
   for other_prefetch in {prefetch, 0}:
-    again = data.make_pipeline(dict(cfg, prefetch=other_prefetch), seq_len=T, batch_size=B, seed=1)
+    again = data.make_pipeline(dict(cfg, prefetch=other_prefetch), seq_len=t, batch_size=B, seed=1)
     again.set_state(states[0])
     assert _same([next(again) for _ in range(3)], ahead)
     again.set_state(states[1])
@@ -164,18 +192,29 @@ def test_text_shards_differ():
   assert not np.array_equal(a["tokens"], b["tokens"])
 
 
-def test_mqar_answers_are_the_paired_values():
-  n = MQAR["mqar_pairs"]
-  for batch in _batches(MQAR, 4):
+def test_mqar_rows_are_the_source_records_scored_at_their_queries():
+  """Every MQAR row is a record of the pipeline's source, its kv block k1 v1 … at [0, 2·kv); it is scored at
+  exactly kv even positions after the block, each reading one key once, whose target is the value paired with it."""
+  n, vocab = MQAR["mqar_pairs"], MQAR["vocab_size"]
+  pipe = data.make_pipeline(MQAR, seq_len=T, batch_size=B, seed=0)
+  src = pipe.source
+  assert isinstance(src, data.MQARSource) and src.row_length == T
+  labels_of = {tuple(src[i]["inputs"]): src[i]["labels"] for i in range(len(src))}
+  batches = [next(pipe) for _ in range(4)]
+  pipe.close()
+  for batch in batches:
     for tokens, targets, mask in zip(batch["tokens"], batch["targets"], batch["loss_mask"]):
+      labels = labels_of[tuple(tokens)]
+      np.testing.assert_array_equal(mask, labels != recall.IGNORE)
+      np.testing.assert_array_equal(targets, np.where(labels != recall.IGNORE, labels, 0))
       keys, values = tokens[0:2 * n:2], tokens[1:2 * n:2]
-      assert len(set(keys)) == n
-      value_of = dict(zip(keys, values))
-      queries = [t for t in range(2 * n, T) if tokens[t] in value_of and t % 2 == 0]
-      assert len(queries) == n                            # T = 64 leaves room to query every key
-      np.testing.assert_array_equal(np.flatnonzero(mask), queries)
-      assert all(targets[t] == value_of[tokens[t]] for t in queries)
-      assert np.all(batch["segment_ids"] == 0)
+      assert len(set(keys)) == n and np.all((1 <= keys) & (keys < vocab // 2))
+      assert np.all((vocab // 2 <= values) & (values < vocab))
+      value_of = dict(zip(keys.tolist(), values.tolist()))
+      queries = np.flatnonzero(mask)
+      assert len(queries) == n and np.all(queries >= 2 * n) and np.all(queries % 2 == 0)
+      assert sorted(tokens[queries].tolist()) == sorted(value_of)
+      assert [targets[t] for t in queries] == [value_of[tokens[t]] for t in queries]
 
 
 SAMPLE = "Thou art more lovely and more temperate: <eos> ✓ café\n\n  To be, or not to be"
@@ -251,10 +290,22 @@ def test_config_dict():
     ("tokenizer", dict(tokenizer="wordpiece"), {}),
     ("vocab_size", dict(RANDOM, vocab_size=0), {}),
     ("vocab_size", dict(TEXT, tokenizer="bpe", vocab_size=100), {}),
+    ("vocab_size", dict(MQAR, vocab_size=0), {}),
     ("vocab_size", dict(MQAR, vocab_size=16), {}),
     ("num_records", dict(RANDOM, num_records=0), {}),
+    ("split", dict(TEXT, split="test"), {}),
+    ("split", dict(RANDOM, split=""), {}),
     ("mqar_pairs", dict(MQAR, mqar_pairs=0), {}),
-    ("mqar_pairs", dict(MQAR, mqar_pairs=40), {}),
+    ("mqar_pairs", dict(MQAR, mqar_pairs=T // 4 + 1), {}),
+    ("mqar_reads", dict(MQAR, mqar_reads=0), {}),
+    ("mqar_reads", dict(MQAR, mqar_reads=3), {}),
+    ("mqar_power", dict(MQAR, mqar_power=0.0), {}),
+    ("passkey_depth", dict(PASSKEY, passkey_depth=1.5), {}),
+    ("passkey_depth", dict(PASSKEY, passkey_depth=-0.5), {}),
+    ("passkey_depth", dict(PASSKEY, passkey_depth="middle"), {}),
+    ("passkey_depth", dict(PASSKEY, passkey_depth=True), {}),
+    ("passkey_digits", dict(PASSKEY, passkey_digits=0), {}),
+    ("seq_len", PASSKEY, dict(seq_len=T)),
     ("prefetch", dict(RANDOM, prefetch=-1), {}),
     ("prefetch", dict(RANDOM, prefetch=1.5), {}),
     ("block_chars", dict(TEXT, block_chars=-1), {}),
@@ -266,6 +317,7 @@ def test_config_dict():
     ("process_count", dict(RANDOM, num_records=2), dict(process_index=0, process_count=3)),
 ])
 def test_bad_config_names_the_field(field, cfg, kw):
+  """Each bad value raises ValueError naming the config field (or make_pipeline's argument) at fault."""
   kw = dict(dict(seq_len=T, batch_size=B, seed=0), **kw)
   with pytest.raises(ValueError, match=f"`{field}`"):
     data.make_pipeline(cfg, **kw)

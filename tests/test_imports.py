@@ -20,7 +20,7 @@ def test_ops_import_only_jax_and_numpy():
 
 
 def test_the_test_helpers_import_only_jax_and_numpy():
-  """osdn_jax.testing (which experiments/demo.py imports) loads chex, hypothesis and pytest only inside the
+  """osdn_jax.testing (which experiments/tour.py imports) loads chex, hypothesis and pytest only inside the
   functions that need them."""
   code = ("import sys, osdn_jax.testing; "
           f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY + ('pytest', '_pytest')!r})))")

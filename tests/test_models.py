@@ -103,7 +103,7 @@ def test_generate_is_greedy_under_the_forward_and_chains_through_its_state():
 # -------------------------------------------------------------------------------------------------------------
 def test_named_configs():
   names = models.names()
-  assert len(names) == len(dgps.names()) * 4 and "pgdn-340m" in names and "osdn-apf-kda-1.3b" in names
+  assert len(names) == len(dgps.names()) * len(models.SIZES) and "pgdn-340m" in names and "osdn-apf-kda-1.3b" in names
   c = models.config("pgdn-340m")
   assert (c.variant, c.d_model, c.num_heads, c.num_layers, c.vocab_size, c.hidden) == \
       ("pgdn", 1024, 8, 24, 32000, 2816)

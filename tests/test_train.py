@@ -129,6 +129,44 @@ def test_chunked_cross_entropy_equals_the_plain_one(dtype, chunk):
   assert rel_rms(ah, bh) < tol and rel_rms(ae, be) < tol, (rel_rms(ah, bh), rel_rms(ae, be))
 
 
+def test_run_returns_the_model_and_load_rebuilds_it(tmp_path):
+  """`run` returns the final state and model; `load` rebuilds the same parameters from the work directory (and
+  the point's options from its config); a directory without a run is a FileNotFoundError."""
+  c = _tiny(steps=2, checkpoint_every=2, log_every=1, batch_size=2, seq_len=16, model="osdn-apf-tiny",
+            **{"optimizer.warmup_steps": 1})
+  c.point_options.apf_anchor = "init"
+  result = loop.run(c, tmp_path / "run")
+  assert result.metrics["step"] == 2 and isinstance(result.metrics["loss"], float)
+  assert result.model_config.point.opts["apf_anchor"] == "init"
+  model, config = loop.load(tmp_path / "run")
+  assert config.model == "osdn-apf-tiny" and model.cfg.point.opts["apf_anchor"] == "init"
+  got = nnx.state(model, nnx.Param).to_pure_dict()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(result.state["params"])):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    loop.load(tmp_path)
+
+
+def test_loss_on_scored_positions_equals_the_full_loss():
+  """loss_positions = the most scored positions of any row: the same loss and gradients as the head over every
+  position; fewer positions drop the later scored ones of the fuller rows (and change the loss)."""
+  cfg = models.config("pdn-tiny", vocab_size=64)
+  graph, params = graphdef(cfg), nnx.state(models.build(cfg), nnx.Param).to_pure_dict()
+  rng = np.random.default_rng(1)
+  mask = np.zeros((3, 40), np.float32)
+  for row, count in enumerate((5, 2, 0)):
+    mask[row, rng.choice(40, count, replace=False)] = 1
+  batch = {"tokens": jnp.asarray(rng.integers(0, 64, (3, 40)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, 64, (3, 40)), jnp.int32),
+           "segment_ids": jnp.zeros((3, 40), jnp.int32), "loss_mask": jnp.asarray(mask)}
+  value_grad = lambda n: jax.jit(jax.value_and_grad(
+      lambda p: loss_sum(graph, p, batch, loss_chunk=16, segments_per_row=1, loss_positions=n)))(params)
+  (full, g_full), (sparse, g_sparse) = value_grad(0), value_grad(5)
+  np.testing.assert_allclose(sparse, full, rtol=1e-5)
+  assert max(rel_rms(a, b) for a, b in zip(jax.tree.leaves(g_sparse), jax.tree.leaves(g_full))) < 1e-5
+  assert abs(float(value_grad(3)[0]) - float(full)) > 1e-3
+
+
 @pytest.mark.parametrize("variant", ["pgdn", pytest.param("osdn-apf-kda", marks=pytest.mark.slow)])
 def test_remat_policies_equal_no_remat(variant):
   """Every policy: the same loss and the same gradient of every parameter (fp32, packed rows)."""

@@ -6,30 +6,38 @@ checkpointable.
     state = pipe.get_state()    # JSON-serialisable; set_state(state) on an equal pipeline resumes at this point
 
 Stages: source → this process's shard (records i with i % process_count == process_index) → shuffle (a new
-order every epoch, endlessly) → rows of seq_len + 1 tokens → batch → prefetch (a background thread, optional).
-Text: every record is tokenized with EOS appended, and the token stream is concatenated and split into rows
-(grain's ConcatThenSplit; documents span rows, and no token is padding). "random" and "mqar": one record is one
-row of exactly seq_len + 1 tokens (nothing packed, nothing padded).
+order every epoch, endlessly) → rows → batch → prefetch (a background thread, optional).
+Text: every record is tokenized with EOS appended, and the token stream is concatenated and split into rows of
+seq_len + 1 tokens (grain's ConcatThenSplit; documents span rows, and no token is padding); a row r gives
+tokens r[:-1] and targets r[1:]. "random": one record is one row of seq_len + 1 tokens. The recall tasks
+("mqar", "passkey"; `recall`) give rows of exactly seq_len tokens with their own labels.
 
-A batch (B = batch_size, this process's rows; T = seq_len; a row r of T + 1 tokens):
-  tokens       int32 [B, T]    r[:-1]
-  targets      int32 [B, T]    r[1:]
+A batch (B = batch_size, this process's rows; T = seq_len):
+  tokens       int32 [B, T]    what the model reads
+  targets      int32 [B, T]    the token to predict at each position (0 where nothing is scored)
   segment_ids  int32 [B, T]    the document of each position's target (`osdn_jax.ops.packing`'s convention:
                                non-decreasing, only the changes count): a segment starts right after an EOS
                                target, at the EOS that ends the previous document, which serves as the next
-                               one's BOS. All 0 for "random" and "mqar".
-  loss_mask    float32 [B, T]  1 where the input token and the target belong to one document (so 0 at an EOS
-                               input, whose target begins the next document); for "mqar" 1 only at the answers
+                               one's BOS. All 0 except for text.
+  loss_mask    float32 [B, T]  1 where a prediction is scored: text, where the input token and the target belong
+                               to one document (so 0 at an EOS input, whose target begins the next document);
+                               the recall tasks, exactly at their labelled positions; random, everywhere
 
 Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes its `DEFAULTS` value):
-  source        "text" | "random" | "mqar"
+  source        "text" | "random" | "mqar" | "passkey"
   tokenizer     "byte" | "bpe" (text only)
-  vocab_size    the BPE's size; the id range of "random" and "mqar"; ignored by the byte tokenizer (256)
+  vocab_size    the BPE's size; the id range of "random" and "mqar"; ignored by the byte tokenizer and passkey (256)
   text_dir      the corpus directory ("": `sources.default_text_dir()`)
-  num_records   distinct records of "random" and "mqar" (one epoch)
-  mqar_pairs    key-value pairs per "mqar" row
-  prefetch      batches prepared ahead in a background thread (0: none)
+  split         the text's blocks: "train" (all but the validation split), "validation" or "all"
   block_chars   the text source's block size (`sources.TextSource`; 0: whole documents)
+  num_records   distinct records of "random", "mqar" and "passkey" (one epoch)
+  mqar_pairs    key-value pairs per "mqar" row (kv)
+  mqar_power    the power law of the query gaps (a)
+  mqar_reads    times the kv block is written before the queries (1, or 2: read twice); seq_len is the row's
+                length, so the queries get seq_len − 2·kv·mqar_reads tokens
+  passkey_depth the needle's depth in [0, 1], or −1 for a uniform draw per row
+  passkey_digits  digits of the passkey
+  prefetch      batches prepared ahead in a background thread (0: none)
 """
 from __future__ import annotations
 
@@ -41,11 +49,12 @@ from typing import Any
 import grain
 import numpy as np
 
-from osdn_jax.data import sources, tokenizers
+from osdn_jax.data import recall, sources, tokenizers
 
-SOURCES = ("text", "random", "mqar")
-DEFAULTS = dict(source="text", tokenizer="byte", vocab_size=256, text_dir="", num_records=100_000, mqar_pairs=8,
-                prefetch=2, block_chars=8192)
+SOURCES = ("text", "random", "mqar", "passkey")
+DEFAULTS = dict(source="text", tokenizer="byte", vocab_size=256, text_dir="", split="train", block_chars=8192,
+                num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
+                passkey_digits=5, prefetch=2)
 STATE_VERSION = 1
 # Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -68,15 +77,44 @@ def _fields(cfg) -> dict[str, Any]:
                      f"{', '.join(tokenizers.TOKENIZERS)}")
   if not isinstance(f["text_dir"], (str, bytes)) and not hasattr(f["text_dir"], "__fspath__"):
     raise ValueError(f"data config: `text_dir` must be a path (\"\" for the default), got {f['text_dir']!r}")
-  for field, minimum in (("vocab_size", 1), ("num_records", 1), ("mqar_pairs", 1), ("prefetch", 0),
-                         ("block_chars", 0)):
+  if f["split"] not in sources.SPLITS:
+    raise ValueError(f"data config: `split` must be one of {', '.join(sources.SPLITS)}, got {f['split']!r}")
+  for field, minimum in (("vocab_size", 1), ("num_records", 1), ("mqar_pairs", 1), ("mqar_reads", 1),
+                         ("passkey_digits", 1), ("prefetch", 0), ("block_chars", 0)):
     f[field] = _int_field(f[field], field, minimum)
   if f["source"] == "text" and f["tokenizer"] == "bpe" and f["vocab_size"] < 257:
     raise ValueError(f"data config: `vocab_size` of the BPE must be ≥ 257 (256 bytes and EOS), got {f['vocab_size']}")
-  if f["source"] == "mqar" and f["vocab_size"] < 2 * f["mqar_pairs"] + 1:
-    raise ValueError(f"data config: `vocab_size` ({f['vocab_size']}) must be ≥ 2 · mqar_pairs + 1 = "
-                     f"{2 * f['mqar_pairs'] + 1} (distinct keys, padding and values)")
+  depth = f["passkey_depth"]
+  if not isinstance(depth, (int, float)) or isinstance(depth, bool) or not (0 <= depth <= 1 or depth == -1):
+    raise ValueError(f"data config: `passkey_depth` must be in [0, 1] or -1 (random), got {depth!r}")
   return f
+
+
+def _recall_source(f, seq_len: int, seed: int):
+  """The "mqar" or "passkey" source whose rows are seq_len tokens long (ValueError naming the field)."""
+  try:
+    if f["source"] == "mqar":
+      extra = 2 * f["mqar_pairs"] * (f["mqar_reads"] - 1)
+      return recall.MQARSource(vocab_size=f["vocab_size"], length=seq_len - extra, num_pairs=f["mqar_pairs"],
+                               num_records=f["num_records"], seed=seed, power_a=f["mqar_power"],
+                               context_reads=f["mqar_reads"])
+    depth = None if f["passkey_depth"] == -1 else float(f["passkey_depth"])
+    return recall.PasskeySource(length=seq_len, num_records=f["num_records"], seed=seed, depth=depth,
+                                digits=f["passkey_digits"])
+  except ValueError as e:
+    message = str(e)
+    for argument, field in _RECALL_FIELDS[f["source"]].items():
+      message = message.replace(f"`{argument}`", f"`{field}`")
+    raise ValueError(f"data config ({f['source']} rows of seq_len = {seq_len}): {message}") from None
+
+
+# The recall sources' arguments → the data config fields (or make_pipeline's arguments) they come from.
+_RECALL_FIELDS = {
+    "mqar": {"num_pairs": "mqar_pairs", "context_reads": "mqar_reads", "power_a": "mqar_power", "length": "seq_len",
+             "num_records": "num_records", "vocab_size": "vocab_size"},
+    "passkey": {"length": "seq_len", "digits": "passkey_digits", "depth": "passkey_depth",
+                "num_records": "num_records"},
+}
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -85,13 +123,20 @@ def _shuffle_seed(seed: int) -> int:
   return int(np.random.SeedSequence([seed, 0x5F1E]).generate_state(1)[0])
 
 
+def _finish_labelled(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Batched recall rows ("inputs", "labels" [B, T]) → the pipeline's batch."""
+  labels = batch["labels"]
+  scored = labels != recall.IGNORE
+  return {"tokens": np.ascontiguousarray(batch["inputs"], np.int32),
+          "targets": np.where(scored, labels, 0).astype(np.int32),
+          "segment_ids": np.zeros(labels.shape, np.int32),
+          "loss_mask": scored.astype(np.float32)}
+
+
 def _finish(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Batched rows ("ids" [B, T + 1], "doc" [B, T + 1]: the document of each token, "weight" [B, T + 1] optional:
-  the loss weight of predicting each token) → the pipeline's batch (module docstring)."""
+  """Batched rows ("ids" [B, T + 1], "doc" [B, T + 1]: the document of each token) → the pipeline's batch."""
   ids, doc = batch["ids"], batch["doc"]
   loss_mask = (doc[:, :-1] == doc[:, 1:]).astype(np.float32)
-  if "weight" in batch:
-    loss_mask *= batch["weight"][:, 1:]
   return {"tokens": np.ascontiguousarray(ids[:, :-1], np.int32),
           "targets": np.ascontiguousarray(ids[:, 1:], np.int32),
           "segment_ids": np.ascontiguousarray(doc[:, 1:] - doc[:, 1:2], np.int32),
@@ -101,15 +146,18 @@ def _finish(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class Pipeline:
   """An endless iterator of batches (module docstring) with a JSON-serialisable position.
 
-  vocab_size: ids lie in [0, vocab_size). tokenizer: the text's (None for "random" and "mqar"); eos_id: its EOS
-  (None likewise). get_state() describes the next batch `__next__` returns, whatever a prefetch thread has read
+  vocab_size: ids lie in [0, vocab_size). tokenizer: the text's (None for the other sources); eos_id: its EOS
+  (None likewise). source: the record source (e.g. `recall.MQARSource`, for its examples' structure).
+  get_state() describes the next batch `__next__` returns, whatever a prefetch thread has read
   ahead; set_state(state) makes this pipeline return from there on exactly what the one that gave the state
   would have. The state holds the pipeline's `signature` (source, sizes, seed, shard, vocabulary), and
   set_state raises ValueError for a state of a different pipeline (the prefetch depth may differ).
   """
 
-  def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any]):
+  def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any],
+               source=None):
     self.vocab_size = vocab_size
+    self.source = source
     self.tokenizer = tokenizer
     self.eos_id = None if tokenizer is None else tokenizer.eos_id
     self.signature = signature
@@ -171,18 +219,16 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
   length = seq_len + 1
   tokenizer = None
   if f["source"] == "text":
-    source = sources.TextSource(f["text_dir"], f["block_chars"])
+    source = sources.TextSource(f["text_dir"], f["block_chars"], f["split"])
+    # The tokenizer is trained on the whole corpus, whatever the split, so that both splits share it.
     tokenizer = tokenizers.make_tokenizer(f["tokenizer"], f["vocab_size"], source.texts_dir)
     vocab_size = tokenizer.vocab_size
   elif f["source"] == "random":
     source = sources.RandomTokens(f["vocab_size"], length, f["num_records"], seed)
     vocab_size = f["vocab_size"]
   else:
-    if length < 2 * f["mqar_pairs"] + 2:
-      raise ValueError(f"data config: `mqar_pairs` ({f['mqar_pairs']}) leaves no room for a query in a row of "
-                       f"seq_len + 1 = {length} tokens (needs seq_len ≥ {2 * f['mqar_pairs'] + 1})")
-    source = sources.MQARSource(f["vocab_size"], length, f["mqar_pairs"], f["num_records"], seed)
-    vocab_size = f["vocab_size"]
+    source = _recall_source(f, seq_len, seed)
+    vocab_size = source.vocab_size
   if len(source) < process_count:
     raise ValueError(f"data: `process_count` ({process_count}) exceeds the source's {len(source)} records")
 
@@ -196,9 +242,9 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
   elif f["source"] == "random":
     rows = ds.map(lambda ids: {"ids": ids, "doc": np.zeros(length, np.int32)}).to_iter_dataset(_READ)
   else:
-    rows = ds.map(lambda r: {"ids": r["ids"], "doc": np.zeros(length, np.int32), "weight": r["target_mask"]})
-    rows = rows.to_iter_dataset(_READ)
-  batches = rows.batch(batch_size, drop_remainder=True).map(_finish)
+    rows = ds.to_iter_dataset(_READ)
+  finish = _finish_labelled if f["source"] in ("mqar", "passkey") else _finish
+  batches = rows.batch(batch_size, drop_remainder=True).map(finish)
   if f["prefetch"]:
     batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=f["prefetch"])
 
@@ -206,10 +252,12 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
                    process_index=process_index, process_count=process_count, vocab_size=vocab_size,
                    records=len(source))
   if f["source"] == "text":
-    signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"])
+    signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"], split=f["split"])
   elif f["source"] == "mqar":
-    signature.update(mqar_pairs=f["mqar_pairs"])
-  return Pipeline(batches, vocab_size=vocab_size, tokenizer=tokenizer, signature=signature)
+    signature.update(mqar_pairs=f["mqar_pairs"], mqar_power=f["mqar_power"], mqar_reads=f["mqar_reads"])
+  elif f["source"] == "passkey":
+    signature.update(passkey_depth=f["passkey_depth"], passkey_digits=f["passkey_digits"])
+  return Pipeline(batches, vocab_size=vocab_size, tokenizer=tokenizer, signature=signature, source=source)
 
 
 # grain's iterator states hold tuples, and may hold bytes and numpy scalars, which JSON lacks: they travel tagged.

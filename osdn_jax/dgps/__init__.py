@@ -5,6 +5,7 @@
     point = dgps.compose(decay="scalar", precond="pdn", x=2.0)   # or any combination
 """
 from osdn_jax.dgps import decay, gain, precond, solve
-from osdn_jax.dgps.registry import POINTS, Dims, Feature, Point, compose, get, names
+from osdn_jax.dgps.registry import POINTS, Dims, Feature, Point, compose, get, names, register
 
-__all__ = ["POINTS", "Dims", "Feature", "Point", "compose", "decay", "gain", "get", "names", "precond", "solve"]
+__all__ = ["POINTS", "Dims", "Feature", "Point", "compose", "decay", "gain", "get", "names", "precond", "register",
+           "solve"]

@@ -336,6 +336,9 @@ POINTS = {p.name: p for p in [
 ]}
 
 
+_BUILTIN = frozenset(POINTS)
+
+
 def names() -> list[str]:
   return list(POINTS)
 
@@ -347,6 +350,23 @@ def get(name: str, **options) -> Point:
     raise ValueError(f"dgps.get: unknown point {name!r}; known: {', '.join(POINTS)}")
   p = POINTS[key]
   return dataclasses.replace(p, options=tuple(sorted(dict(p.options, **options).items()))) if options else p
+
+
+def register(point: Point, *, replace: bool = False) -> Point:
+  """Adds `point` to the registry under its name (lower-cased), so that every consumer of registry names (model
+  configs "<name>-<size>", the trainer, the experiments' variant lists) can use it, e.g.
+  register(compose(decay="scalar", precond="osdn-apf", name="my-point")). ValueError if the name is taken
+  (unless replace=True, which cannot replace a built-in point) or not a plain identifier-like string."""
+  if not isinstance(point, Point):
+    raise ValueError(f"dgps.register: `point` must be a dgps.Point, got {type(point).__name__}")
+  key = point.name.lower()
+  if not key or not all(ch.isalnum() or ch in "-_." for ch in key):
+    raise ValueError(f"dgps.register: the point's name must be letters, digits, '-', '_' or '.', got {point.name!r}")
+  if key in POINTS and (not replace or key in _BUILTIN):
+    raise ValueError(f"dgps.register: a point named {key!r} is already registered"
+                     + ("" if key in _BUILTIN else " (pass replace=True to replace it)"))
+  POINTS[key] = dataclasses.replace(point, name=key)
+  return POINTS[key]
 
 
 def compose(*, decay="none", gain="sigmoid", precond="identity", solve="online", normalize_qk=True, name=None,

@@ -249,10 +249,12 @@ class DGPSMixer(nnx.Module):
     y = self._output(checkpoint_name(o, "solve_out"), x)
     return (y, LayerCache(final["S"], final["precond"], tail)) if return_cache else y
 
-  def diagnostics(self, x):
-    """What the write does to the state, on x [B, T, D] from the zero state: {"q_geo": the geometric mean of the
-    residual contraction ρ_t = (1 − β_t⟨k_t, k̃_t⟩)² over tokens and heads (NaN for the offline solves, which
-    have no residual), "state_norm": the mean over rows and value heads of ‖S_T‖_F}, both fp32 scalars."""
+  def diagnostics(self, x, weights=None):
+    """What the write does to the state, on x [B, T, D] from the zero state, as fp32 scalars: "q_geo", the
+    geometric mean of the residual contraction ρ_t = (1 − β_t⟨k_t, k̃_t⟩)² over tokens and heads (NaN for the
+    offline solves, which have no residual); "state_norm", the mean over rows and value heads of ‖S_T‖_F;
+    "recall_residual", the mean relative residual ‖S_Tᵀk_t − v_t‖² / ‖v_t‖² of the final state on the pairs
+    (k_t, v_t) it was given, over the positions with weights [B, T] > 0 (default: all), weighted."""
     cfg = self.cfg
     x = x.astype(cfg.dtype)
     qkv, _ = self.conv(self._qkv(x))
@@ -260,12 +262,18 @@ class DGPSMixer(nnx.Module):
     features = self._features(x)
     prep = cfg.point.prepare(q, k, v, features, _values(self.point_params), implementation=cfg.implementation)
     _, final = self._solve(q, k, v, features, segment_ids=None, state=None, return_cache=True)
-    state_norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(final["S"].astype(jnp.float32)), axis=(-2, -1))))
-    if prep["beta"] is None or cfg.point.solve != "online":
-      return {"q_geo": jnp.float32(jnp.nan), "state_norm": state_norm}
     f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    S = f32(final["S"])
+    state_norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(S), axis=(-2, -1))))
+    w = jnp.ones(x.shape[:2], jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
+    per_row = diagnostics.recall_residual(S, f32(prep["k"]), f32(prep["v"]), weights=w)       # [B, HV]
+    rows = jnp.sum(w, axis=1) > 0
+    recall = jnp.sum(jnp.where(rows[:, None], per_row, 0.0)) / jnp.maximum(jnp.sum(rows) * per_row.shape[1], 1)
+    out = {"state_norm": state_norm, "recall_residual": recall.astype(jnp.float32)}
+    if prep["beta"] is None or cfg.point.solve != "online":
+      return {"q_geo": jnp.float32(jnp.nan), **out}
     rho = diagnostics.rho_closed_form(f32(prep["k"]), f32(prep["beta"]), f32(prep["k_write"]))
-    return {"q_geo": diagnostics.q_geo(rho).astype(jnp.float32), "state_norm": state_norm}
+    return {"q_geo": diagnostics.q_geo(rho).astype(jnp.float32), **out}
 
   def step(self, x, cache: LayerCache):
     """One token for decoding: x [B, D], cache from `__call__(..., return_cache=True)` or a previous step.

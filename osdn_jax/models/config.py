@@ -4,6 +4,7 @@ Sizes (FLA's recipes for the DeltaNet family; 24 layers above `tiny`, vocabulary
 256·⌈(2/3·4·D)/256⌉, tied input/output embeddings):
 
   tiny   D = 64,   2 heads × 32,   2 layers, vocab 256     (CPU tests)
+  mqar   D = 128,  2 heads × 64,   2 layers, vocab 8192    (zoology's MQAR models)
   340m   D = 1024, 8 heads × 128,  24 layers
   1b     D = 1792, 14 heads × 128, 24 layers
   1.3b   D = 2048, 16 heads × 128, 24 layers
@@ -22,6 +23,7 @@ from osdn_jax.layers.mlp import hidden_width
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=64, num_heads=2, num_layers=2, vocab_size=256),
+    "mqar": dict(d_model=128, num_heads=2, num_layers=2, vocab_size=8192),
     "340m": dict(d_model=1024, num_heads=8, num_layers=24, vocab_size=32000),
     "1b": dict(d_model=1792, num_heads=14, num_layers=24, vocab_size=32000),
     "1.3b": dict(d_model=2048, num_heads=16, num_layers=24, vocab_size=32000),
@@ -91,6 +93,7 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig: `remat` must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     object.__setattr__(self, "point_options", tuple(sorted(dict(self.point_options).items())))
+    self.point  # unknown options raise here, naming them
 
   @property
   def point(self) -> dgps.Point:

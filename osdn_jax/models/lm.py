@@ -82,11 +82,12 @@ class LanguageModel(nnx.Module):
     x, _ = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None, remat=True)
     return self.final_norm(x)
 
-  def diagnostics(self, tokens):
+  def diagnostics(self, tokens, weights=None):
     """Per-layer write diagnostics on tokens [B, T] (each sequence from the zero state): {"q_geo": [L],
-    "state_norm": [L]} (`DGPSMixer.diagnostics`; the input of layer l is the residual stream the model gives it)."""
+    "state_norm": [L], "recall_residual": [L]} (`DGPSMixer.diagnostics`; the input of layer l is the residual
+    stream the model gives it; weights [B, T] selects the pairs of the recall residual, default all)."""
     def layer(block, x, _):
-      return block(x), block.mixer.diagnostics(block.mixer_norm(x))
+      return block(x), block.mixer.diagnostics(block.mixer_norm(x), weights)
 
     _, out = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None)
     return out

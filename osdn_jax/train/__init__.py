@@ -2,8 +2,9 @@
 
     python -m osdn_jax.train --config=tiny --workdir=/tmp/run             # CPU, about a minute
     python -m osdn_jax.train --config=340m --config.model=pgdn-340m --workdir=runs/pgdn   # one GPU or several
+    python -m osdn_jax.train --config=mqar --config.model=pdn-mqar --workdir=runs/mqar    # zoology's MQAR
 """
 from osdn_jax.train.configs import get_config, validate
-from osdn_jax.train.loop import NonFiniteError, train
+from osdn_jax.train.loop import NonFiniteError, TrainResult, load, run, train
 
-__all__ = ["NonFiniteError", "get_config", "train", "validate"]
+__all__ = ["NonFiniteError", "TrainResult", "get_config", "load", "run", "train", "validate"]

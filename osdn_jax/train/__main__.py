@@ -1,6 +1,6 @@
 """`python -m osdn_jax.train --config=NAME --workdir=DIR [--config.FIELD=VALUE ...]`.
 
-NAME is a named config (`osdn_jax/train/configs.py`: tiny, 340m, 1.3b) or a path to a Python file with
+NAME is a named config (`osdn_jax/train/configs.py`: tiny, 340m, 1.3b, mqar) or a path to a Python file with
 get_config() (ml_collections' config files: `--config=my_config.py:arg`). Every field can be overridden, e.g.
 `--config.steps=200 --config.model=pgdn-340m --config.optimizer.lr=1e-3 --config.mesh.fsdp=2`.
 Running again on the same DIR resumes from its newest complete checkpoint. With --distributed, the process
@@ -11,13 +11,12 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import logging as py_logging
-
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from osdn_jax.train import configs
+from osdn_jax.train.checkpoints import quiet_checkpoint_logs
 from osdn_jax.train.loop import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "a named config (tiny, 340m, 1.3b) or a config file",
@@ -40,15 +39,8 @@ def _named_configs(argv: list[str]) -> list[str]:
   return out
 
 
-class _QuietLibraries(py_logging.Filter):
-  """Keeps orbax's per-save INFO lines out of the run's log (its warnings and errors still show)."""
-
-  def filter(self, record):
-    return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  quiet_checkpoint_logs()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _DISTRIBUTED.value:

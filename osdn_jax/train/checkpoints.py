@@ -9,6 +9,7 @@ one before it is tried.
 from __future__ import annotations
 
 import json
+import logging as py_logging
 
 import grain.checkpoint
 import orbax.checkpoint as ocp
@@ -32,6 +33,20 @@ class _DataPosition:
     """Called by grain's handler after a restore; a snapshot has nothing to prefetch."""
 
 
+class _QuietOrbax(py_logging.Filter):
+  """Drops orbax's INFO records (one batch of lines per save); its warnings and errors pass."""
+
+  def filter(self, record):
+    return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_checkpoint_logs() -> None:
+  """Keeps orbax's per-save INFO lines out of the absl log (warnings and errors still show)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietOrbax) for f in handler.filters):
+    handler.addFilter(_QuietOrbax())
+
+
 class Checkpoints:
   def __init__(self, directory, *, keep: int, async_save: bool = True):
     self.directory = directory
@@ -45,13 +60,16 @@ class Checkpoints:
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(_DataPosition(data_state))))
 
-  def restore_latest(self, abstract_state):
-    """(step, state, data_state) of the newest readable checkpoint, or None if there is none.
+  def restore_latest(self, abstract_state, *, step: int | None = None):
+    """(step, state, data_state) of the newest readable checkpoint (of checkpoint `step` only, if given), or
+    None if there is none.
 
     abstract_state: the state's pytree of jax.ShapeDtypeStruct with shardings (where the arrays go). Raises
     RuntimeError when checkpoints exist but none can be read (a run of another model, say): starting afresh
     there would mix two runs in one directory."""
     steps = sorted(self.manager.all_steps(), reverse=True)
+    if step is not None:
+      steps = [s for s in steps if s == step]
     for step in steps:
       position = _DataPosition()
       try:

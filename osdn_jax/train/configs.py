@@ -4,23 +4,27 @@
 
 `get_config(name)` is the file's ml_collections entry point (`--config=osdn_jax/train/configs.py:340m` works
 too). Names: tiny (CPU, bytes of the text corpus, about a minute), 340m and 1.3b (the paper's recipes: 2048
-tokens per row, 16 rows per GPU for 340M, BPE 32000), each with any registry point through `model`.
+tokens per row, 16 rows per GPU for 340M, BPE 32000), each with any registry point through `model`, and mqar (the
+zoology MQAR setting: a 2-layer, d_model 128 model on vocabulary 8192, AdamW with weight decay 0.1).
 
 Fields (every one overridable from the command line):
   model         a `models.config` name "<point>-<size>"; the vocabulary is the data's, not the size's
+  point_options the point's preconditioner options (e.g. {"apf_anchor": "init"}; `dgps.get`)
   dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
   implementation, chunk_size   the solve's (`ops` vocabulary: auto | reference | xla | pallas)
   remat         what a block keeps for the backward (`models.config.REMAT_POLICIES`)
   seq_len, batch_size   tokens per row and rows per optimiser step over all devices
   grad_accum    microbatches per step (batch_size / grad_accum rows each)
   loss_chunk    tokens per piece of the cross-entropy (the [tokens, vocab] logits exist one piece at a time)
+  loss_positions  0, or the scored positions per row the head reads (the first ones; recall tasks score few)
   steps         the schedule's length; log_every, checkpoint_every, diagnostics_every count steps (0: never;
                 the last step is always logged, and checkpointed unless checkpoint_every is 0)
   keep_checkpoints, async_checkpoint, seed, progress
   optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr), b1, b2, eps, weight_decay, clip
   mesh          data, fsdp, tensor: device counts per axis; one of them may be -1 (the rest of the devices)
-  data          `osdn_jax.data.make_pipeline`'s fields: source, tokenizer, vocab_size, text_dir, num_records,
-                mqar_pairs, prefetch
+  data          `osdn_jax.data.make_pipeline`'s fields: source, tokenizer, vocab_size, text_dir, split,
+                block_chars, num_records, mqar_pairs, mqar_power, mqar_reads, passkey_depth, passkey_digits,
+                prefetch
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ DTYPES = ("float32", "bfloat16")
 def base() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = "gdn-340m"
+  c.point_options = ml_collections.ConfigDict()
   c.dtype = "bfloat16"
   c.implementation = "auto"
   c.chunk_size = 64
@@ -42,6 +47,7 @@ def base() -> ml_collections.ConfigDict:
   c.batch_size = 16
   c.grad_accum = 1
   c.loss_chunk = 2048
+  c.loss_positions = 0
   c.steps = 1000
   c.log_every = 10
   c.checkpoint_every = 500
@@ -54,7 +60,8 @@ def base() -> ml_collections.ConfigDict:
       lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip=1.0))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   c.data = ml_collections.ConfigDict(dict(
-      source="text", tokenizer="bpe", vocab_size=32000, text_dir="", block_chars=8192, num_records=100_000, mqar_pairs=8,
+      source="text", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
+      num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0, passkey_digits=5,
       prefetch=2))
   return c
 
@@ -92,7 +99,33 @@ def recipe_1_3b() -> ml_collections.ConfigDict:
   return c
 
 
-CONFIGS = {"tiny": tiny, "340m": recipe_340m, "1.3b": recipe_1_3b}
+def mqar() -> ml_collections.ConfigDict:
+  """MQAR as zoology trains it: 2 mixer + 2 MLP layers of width 128 (`models.SIZES["mqar"]`), vocabulary 8192,
+  rows of 256 tokens with 16 pairs, AdamW (weight decay 0.1) on a cosine schedule to 0, fp32. The loss reads
+  only the scored positions (one per pair)."""
+  c = base()
+  c.model = "gdn-mqar"
+  c.dtype = "float32"
+  c.remat = "none"
+  c.seq_len = 256
+  c.batch_size = 64
+  c.loss_chunk = 256
+  c.loss_positions = 16
+  c.steps = 1000
+  c.log_every = 50
+  c.checkpoint_every = 0
+  c.optimizer.lr = 1e-3
+  c.optimizer.warmup_steps = 50
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.min_lr_ratio = 0.0
+  c.data.source = "mqar"
+  c.data.vocab_size = 8192
+  c.data.mqar_pairs = 16
+  c.data.prefetch = 0
+  return c
+
+
+CONFIGS = {"tiny": tiny, "340m": recipe_340m, "1.3b": recipe_1_3b, "mqar": mqar}
 
 
 def get_config(name: str = "tiny") -> ml_collections.ConfigDict:
@@ -113,7 +146,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """ValueError naming the field for anything the trainer cannot run. The mesh against the devices and the
   data fields are checked where they are used (`train.mesh`, `osdn_jax.data`)."""
   try:
-    model_config(c.model)
+    model_config(c.model, point_options=tuple(dict(c.point_options).items()))
   except ValueError as e:
     raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
   if c.dtype not in DTYPES:
@@ -123,7 +156,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                      f"got {c.remat!r}")
   for field in ("seq_len", "batch_size", "grad_accum", "loss_chunk", "steps", "keep_checkpoints"):
     _int(c, field)
-  for field in ("log_every", "checkpoint_every", "diagnostics_every", "seed"):
+  for field in ("log_every", "checkpoint_every", "diagnostics_every", "seed", "loss_positions"):
     _int(c, field, minimum=0)
   if c.batch_size % c.grad_accum:
     raise ValueError(f"train config: `grad_accum` ({c.grad_accum}) must divide `batch_size` ({c.batch_size})")

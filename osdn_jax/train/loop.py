@@ -1,10 +1,13 @@
 """The training loop: build the mesh, data, model and optimiser from a config; restore the newest checkpoint in
 the work directory if there is one; step, log, checkpoint; stop on a non-finite loss or gradient norm.
 
-    osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")
+    metrics = osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")   # the last logged metrics
+    result = osdn_jax.train.run(config, workdir)      # also the trained model (result.model)
+    model, config = osdn_jax.train.load("/tmp/run")   # the newest checkpoint of a work directory
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -31,9 +34,23 @@ class NonFiniteError(FloatingPointError):
   """Raised when a logged loss or gradient norm is NaN or ±Inf."""
 
 
+@dataclasses.dataclass
+class TrainResult:
+  """What `run` returns: the last logged metrics ({"step", "loss", ...}; empty when no step ran), the final
+  training state (`step.init_state`'s layout) and the model's config; `model` rebuilds the trained model."""
+  metrics: dict
+  state: dict
+  model_config: models.ModelConfig
+
+  @property
+  def model(self) -> models.LanguageModel:
+    return nnx.merge(graphdef(self.model_config), self.state["params"])
+
+
 def model_config(config, vocab_size: int) -> models.ModelConfig:
   return models.config(config.model, vocab_size=vocab_size, dtype=jnp.dtype(config.dtype),
-                       chunk_size=config.chunk_size, implementation=config.implementation, remat=config.remat)
+                       chunk_size=config.chunk_size, implementation=config.implementation, remat=config.remat,
+                       point_options=tuple(dict(config.get("point_options", {})).items()))
 
 
 def _rows_per_process(config, mesh) -> int:
@@ -91,6 +108,38 @@ def _peak_memory_gb():
 
 def train(config, workdir) -> dict:
   """Runs (or resumes) the run described by `config` in `workdir`; returns the last logged metrics."""
+  return run(config, workdir).metrics
+
+
+def load(workdir, *, step: int | None = None):
+  """(model, config) of a work directory: its config.json and its newest checkpoint (or checkpoint `step`),
+  on the default device. FileNotFoundError when the directory holds no run or no checkpoint."""
+  workdir = pathlib.Path(workdir)
+  path = workdir / "config.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"train.load: no config.json in {workdir} (not a training work directory)")
+  config = configs.ml_collections.ConfigDict(json.loads(path.read_text()))
+  pipeline = data_lib.make_pipeline(dict(config.data, prefetch=0), seq_len=config.seq_len, batch_size=1,
+                                    seed=config.seed)
+  pipeline.close()
+  cfg = model_config(config, pipeline.vocab_size)
+  tx = optim.make(config.optimizer, config.steps)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          jax.eval_shape(lambda: init_state(cfg, tx, config.seed)))
+  ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints, async_save=False)
+  try:
+    restored = ckpt.restore_latest(abstract, step=step)
+  finally:
+    ckpt.close()
+  if restored is None:
+    raise FileNotFoundError(f"train.load: no checkpoint{'' if step is None else f' {step}'} in "
+                            f"{workdir / 'checkpoints'}")
+  return nnx.merge(graphdef(cfg), restored[1]["params"]), config
+
+
+def run(config, workdir) -> TrainResult:
+  """`train`, returning the final state and the model's config with the metrics (`TrainResult`)."""
   configs.validate(config)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +174,7 @@ def train(config, workdir) -> dict:
   graph = graphdef(cfg)
   batch_sh = mesh_lib.batch_sharding(mesh)
   step_fn = jax.jit(make_train_step(graph, tx, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,
-                                    schedule=schedule),
+                                    schedule=schedule, loss_positions=config.get("loss_positions", 0)),
                     in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
                     static_argnums=2)
   diag_fn = jax.jit(lambda params, tokens: nnx.merge(graph, params).diagnostics(tokens))
@@ -156,14 +205,14 @@ def train(config, workdir) -> dict:
         _check_finite(step, values, last_good)
       if log:
         elapsed = time.perf_counter() - t0
-        row = {"loss": values["loss"], "grad_norm": values["grad_norm"], "lr": values["lr"],
+        row = {"loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
                "tokens_per_s": since * tokens_per_step / elapsed, "step_time_s": elapsed / since}
         if (peak := _peak_memory_gb()) is not None:
           row["peak_memory_gb"] = peak
         if diagnose:
           with jax.set_mesh(mesh):
             diag = jax.device_get(diag_fn(state["params"], batch["tokens"][:min(rows, 4)]))
-          row.update(q_geo=list(diag["q_geo"]), state_norm=list(diag["state_norm"]))
+          row.update({k: list(v) for k, v in diag.items()})
         writer.write(step, row)
         last = {"step": step, **row}
         progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -177,4 +226,4 @@ def train(config, workdir) -> dict:
     writer.close()
     ckpt.close()
     pipeline.close()
-  return last
+  return TrainResult(metrics=last, state=state, model_config=cfg)

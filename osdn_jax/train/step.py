@@ -41,30 +41,49 @@ def segments_bound(segment_ids, minimum: int = 4) -> int:
   return 1 if most == 1 else max(minimum, 1 << (most - 1).bit_length())
 
 
-def loss_sum(graph, params, batch, *, loss_chunk: int, segments_per_row=None):
-  """Σ over unmasked tokens of −log p(target), fp32, and nothing [B, T, vocab] in memory (`train.loss`)."""
+def scored_positions(mask, count: int):
+  """The first `count` positions of each row where mask > 0, in order (rows with fewer are filled with
+  unscored positions): int32 [B, count] for mask [B, T]."""
+  return jnp.argsort(mask <= 0, axis=1, stable=True)[:, :count].astype(jnp.int32)
+
+
+def loss_sum(graph, params, batch, *, loss_chunk: int, segments_per_row=None, loss_positions: int = 0):
+  """Σ over unmasked tokens of −log p(target), fp32, and nothing [B, T, vocab] in memory (`train.loss`).
+
+  loss_positions > 0: the head reads only the first loss_positions scored positions of each row (the recall
+  tasks score a few positions per row); scored positions beyond them are dropped."""
   model = nnx.merge(graph, params)
   packed = segments_per_row is None or segments_per_row > 1
   hidden = model.hidden(batch["tokens"], segment_ids=batch["segment_ids"] if packed else None,
                         segments_per_row=segments_per_row if packed else None)
-  return cross_entropy(hidden, params["embed"], batch["targets"], batch["loss_mask"], chunk=loss_chunk)
+  targets, mask = batch["targets"], batch["loss_mask"]
+  if loss_positions:
+    at = scored_positions(mask, loss_positions)
+    hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+    targets, mask = jnp.take_along_axis(targets, at, axis=1), jnp.take_along_axis(mask, at, axis=1)
+  return cross_entropy(hidden, params["embed"], targets, mask, chunk=loss_chunk)
 
 
 def make_train_step(graph, tx: optax.GradientTransformation, *, grad_accum: int = 1, loss_chunk: int = 2048,
-                    schedule=None):
+                    schedule=None, loss_positions: int = 0):
   """step(state, batch, segments_per_row=None) → (state, metrics {loss, grad_norm, lr, tokens}).
 
   segments_per_row: static (`segments_bound` of the batch's segment_ids; jit it as a static argument).
 
-  The loss is the mean over unmasked tokens of the whole batch; with grad_accum = n the batch's rows are taken
+  The loss is the mean over unmasked tokens of the whole batch (only the first loss_positions of each row when
+  loss_positions > 0, `loss_sum`); with grad_accum = n the batch's rows are taken
   as n microbatches (row r in microbatch r mod n, so each stays spread over the data axes) whose summed losses
   and gradients are accumulated in fp32 before the one update.
   """
   def step(state, batch, segments_per_row=None):
     grad_fn = jax.value_and_grad(lambda p, b: loss_sum(graph, p, b, loss_chunk=loss_chunk,
-                                                       segments_per_row=segments_per_row))
+                                                       segments_per_row=segments_per_row,
+                                                       loss_positions=loss_positions))
     params = state["params"]
-    count = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    mask = batch["loss_mask"]
+    if loss_positions:
+      mask = jnp.take_along_axis(mask, scored_positions(mask, loss_positions), axis=1)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
     if grad_accum == 1:
       total, grads = grad_fn(params, batch)
     else:

@@ -1,0 +1,167 @@
+"""Small language models per variant on the text corpus (`make data`): every variant sees the same tokens in the
+same order for the same number of steps (one config, one seed); reported are the validation loss and perplexity
+on the corpus's fixed validation split (`osdn_jax.data.sources.in_validation`) and the training-loss curves.
+
+  python -m experiments.lm                        # the default (bytes, the `mqar` size: d_model 128, 2 layers)
+  python -m experiments.lm --smoke                # CI size
+  python -m experiments.lm --variants=gdn,pgdn,osdn-gdn --size=340m --tokenizer=bpe --vocab_size=32000 --dtype=bfloat16
+
+Writes OUT/lm.json, OUT/lm.md and OUT/lm.png (training loss against tokens, one line per variant); work
+directories under OUT/runs/lm/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from experiments import common
+from experiments.plot_run import read_metrics
+from osdn_jax import data as data_lib
+from osdn_jax.train import get_config
+from osdn_jax.train.step import graphdef, loss_sum, segments_bound
+
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass
+class LM:
+  variants: tuple[str, ...] = common.VARIANTS
+  size: str = "mqar"
+  tokenizer: str = "byte"
+  vocab_size: int = 256
+  seq_len: int = 512
+  batch_size: int = 32
+  steps: int = 2000
+  lr: float = 3e-3
+  dtype: str = "float32"
+  validation_batches: int = 16
+  seed: int = 0
+  implementation: str = "auto"
+
+  def config(self, variant: str):
+    c = common.variant_config(get_config("tiny"), variant, self.size)
+    c.seq_len, c.batch_size, c.steps, c.seed = self.seq_len, self.batch_size, self.steps, self.seed
+    c.dtype, c.implementation = self.dtype, self.implementation
+    c.loss_chunk = min(c.loss_chunk, self.seq_len)
+    c.progress = False
+    c.log_every = max(1, self.steps // 50)
+    c.checkpoint_every = self.steps
+    c.keep_checkpoints = 1
+    c.async_checkpoint = False
+    c.diagnostics_every = 0
+    c.optimizer.lr = self.lr
+    c.optimizer.warmup_steps = max(1, min(100, self.steps // 10))
+    c.data.tokenizer, c.data.vocab_size = self.tokenizer, self.vocab_size
+    return c
+
+
+def validation_loss(result, config, batches: int) -> float:
+  """Mean −log p per scored token over `batches` batches of the validation split (one fixed order)."""
+  pipe = data_lib.make_pipeline(dict(config.data, split="validation", prefetch=0), seq_len=config.seq_len,
+                                batch_size=config.batch_size, seed=12345)
+  graph, params = graphdef(result.model_config), result.state["params"]
+  fn = jax.jit(lambda p, b, n: loss_sum(graph, p, b, loss_chunk=config.loss_chunk, segments_per_row=n),
+               static_argnums=2)
+  total = count = 0.0
+  try:
+    for _ in range(batches):
+      batch = next(pipe)
+      total += float(fn(params, batch, segments_bound(batch["segment_ids"])))
+      count += float(np.sum(batch["loss_mask"]))
+  finally:
+    pipe.close()
+  return total / max(count, 1.0)
+
+
+def run(spec: LM, out_dir) -> list[dict]:
+  root = pathlib.Path(out_dir) / "runs" / "lm"
+  common.enable_compilation_cache(pathlib.Path(out_dir) / "runs" / ".xla-cache")
+  rows = []
+  with common.progress(len(spec.variants), "lm") as bar:
+    for v in spec.variants:
+      bar.set_postfix_str(v)
+      workdir = root / v.replace(":", "_").replace("=", "-").replace(",", "_")
+      config = spec.config(v)
+      result = common.fit(config, workdir)
+      val = validation_loss(result, config, spec.validation_batches)
+      curve = [(r["step"], r["loss"]) for r in read_metrics(workdir) if "loss" in r]
+      rows.append(dict(variant=v, validation_loss=val, validation_perplexity=math.exp(val),
+                       final_train_loss=curve[-1][1] if curve else None, curve=curve,
+                       tokens=config.steps * config.batch_size * config.seq_len))
+      bar.update()
+  return rows
+
+
+def table(rows: list[dict], spec: LM) -> str:
+  unit = "byte" if spec.tokenizer == "byte" else "token"
+  header = ["variant", f"validation loss (nats/{unit})", "validation perplexity", "final training loss"]
+  body = [[r["variant"], r["validation_loss"], r["validation_perplexity"], r["final_train_loss"]] for r in rows]
+  note = (f"\nSize `{spec.size}`, {spec.tokenizer} tokenizer (vocabulary {spec.vocab_size}), {spec.steps} steps of "
+          f"{spec.batch_size} × {spec.seq_len} tokens ({rows[0]['tokens'] if rows else 0:,} tokens), lr {spec.lr:g}, "
+          f"{spec.dtype}, seed {spec.seed}; validation: {spec.validation_batches} batches of the validation split.\n")
+  return common.markdown_table(header, body) + note
+
+
+def plot(rows: list[dict], spec: LM):
+  fig, axes = common.figure(1, 1, width=6.0, height=4.0)
+  ax = axes[0][0]
+  for r in rows:
+    steps, losses = zip(*r["curve"]) if r["curve"] else ((), ())
+    ax.plot([s * spec.batch_size * spec.seq_len for s in steps], losses, label=r["variant"], lw=1.2)
+  ax.set_xlabel("training tokens")
+  ax.set_ylabel("training loss")
+  ax.set_title("language modelling on the text corpus")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  return fig
+
+
+SMOKE = dict(variants=("dn",), size="tiny", seq_len=64, batch_size=2, steps=3, validation_batches=1,
+             implementation="reference")
+
+
+def main(argv):
+  del argv
+  f = FLAGS
+  if f.smoke:
+    spec = LM(**SMOKE)
+  else:
+    spec = LM(variants=tuple(f.variants), size=f.size, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
+              seq_len=f.seq_len, batch_size=f.batch_size, steps=f.steps, lr=f.lr, dtype=f.dtype,
+              validation_batches=f.validation_batches, seed=f.seed, implementation=f.implementation)
+  provenance = None
+  if f.merge:   # parts of one comparison run in parallel (e.g. a process per variant): one report
+    spec, rows, provenance = common.merge_parts(f.merge, LM)
+  else:
+    rows = run(spec, f.out)
+  text = table(rows, spec)
+  command = "python -m experiments.lm --smoke" if f.smoke else common.command("lm", spec)
+  paths = common.write_results(f.out, "lm", {"spec": dataclasses.asdict(spec), "rows": rows}, text, plot(rows, spec),
+                               command=command, provenance=provenance)
+  print(text)
+  print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+  d = LM()
+  flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
+  flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
+  flags.DEFINE_string("tokenizer", d.tokenizer, "byte | bpe")
+  flags.DEFINE_integer("vocab_size", d.vocab_size, "the BPE's vocabulary (ignored for bytes)")
+  flags.DEFINE_integer("seq_len", d.seq_len, "tokens per row")
+  flags.DEFINE_integer("batch_size", d.batch_size, "rows per step")
+  flags.DEFINE_integer("steps", d.steps, "optimiser steps per variant")
+  flags.DEFINE_float("lr", d.lr, "peak learning rate")
+  flags.DEFINE_string("dtype", d.dtype, "compute dtype")
+  flags.DEFINE_integer("validation_batches", d.validation_batches, "validation batches")
+  flags.DEFINE_integer("seed", d.seed, "initialisation and data seed")
+  flags.DEFINE_string("implementation", d.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_bool("smoke", False, "the CI size")
+  flags.DEFINE_string("out", "results", "output directory")
+  flags.DEFINE_list("merge", [], "lm.json files of parts of one comparison: report them together")
+  app.run(main)

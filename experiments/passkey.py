@@ -1,0 +1,175 @@
+"""Passkey retrieval (S-NIAH-1 style, `osdn_jax.data.PasskeySource`): a byte-level model trained on passkey rows
+of one length (needle at a uniformly drawn depth) is asked for the key in haystacks of several lengths, with the
+needle at several depths; the score is the exact match of the greedily generated digits (recurrent decoding,
+`models.generate`).
+
+  python -m experiments.passkey                   # the default grid (a GPU)
+  python -m experiments.passkey --smoke           # CI size
+  python -m experiments.passkey --variants=dn,pdn,osdn --train_length=512 --lengths=512,1024,2048
+
+Writes OUT/passkey.json, OUT/passkey.md (exact match per variant, length and depth) and OUT/passkey.png (a
+heat-map of depth × length per variant); work directories under OUT/runs/passkey/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import common
+from osdn_jax import models
+from osdn_jax.data import PasskeySource
+from osdn_jax.train import get_config
+
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass
+class Passkey:
+  variants: tuple[str, ...] = common.VARIANTS
+  train_length: int = 512
+  lengths: tuple[int, ...] = (512, 1024, 2048)
+  depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+  steps: int = 1500
+  batch_size: int = 32
+  lr: float = 1e-3
+  size: str = "mqar"
+  digits: int = 5
+  test_examples: int = 64
+  seed: int = 0
+  implementation: str = "auto"
+
+  def config(self, variant: str):
+    c = common.variant_config(get_config("mqar"), variant, self.size)
+    c.seq_len = self.train_length
+    c.batch_size = self.batch_size
+    c.steps = self.steps
+    c.loss_positions = c.loss_chunk = self.digits
+    c.seed = self.seed
+    c.implementation = self.implementation
+    c.progress = False
+    c.log_every = max(1, self.steps // 20)
+    c.checkpoint_every = self.steps
+    c.keep_checkpoints = 1
+    c.async_checkpoint = False
+    c.optimizer.lr = self.lr
+    c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, self.steps // 10)
+    c.data.source = "passkey"
+    c.data.vocab_size = 256
+    c.data.passkey_digits = self.digits
+    c.data.passkey_depth = -1.0
+    return c
+
+
+def exact_match(model, length: int, depth: float, spec: Passkey) -> float:
+  """The fraction of test_examples haystacks of `length` bytes, needle at `depth`, whose greedily generated
+  digits all equal the key."""
+  source = PasskeySource(length=length, num_records=spec.test_examples, seed=spec.seed + 1_000_003, depth=depth,
+                         digits=spec.digits)
+  prompts = jnp.asarray(np.stack([source.prompt(i) for i in range(len(source))]))
+  answers = np.stack([source.answer(i) for i in range(len(source))])
+  out, _ = models.generate(model, prompts, spec.digits)
+  return float(np.mean(np.all(np.asarray(out) == answers, axis=1)))
+
+
+def run(spec: Passkey, out_dir) -> list[dict]:
+  root = pathlib.Path(out_dir) / "runs" / "passkey"
+  common.enable_compilation_cache(pathlib.Path(out_dir) / "runs" / ".xla-cache")
+  rows = []
+  with common.progress(len(spec.variants), "passkey") as bar:
+    for v in spec.variants:
+      bar.set_postfix_str(v)
+      workdir = root / v.replace(":", "_").replace("=", "-").replace(",", "_")
+      model = common.fit(spec.config(v), workdir).model
+      loss = common.last_logged(workdir, "loss")
+      for length in spec.lengths:
+        for depth in spec.depths:
+          rows.append(dict(variant=v, length=length, depth=depth, exact_match=exact_match(model, length, depth, spec),
+                           final_loss=loss))
+      bar.update()
+  return rows
+
+
+def table(rows: list[dict], spec: Passkey) -> str:
+  header = ["variant"] + [f"L={length}" for length in spec.lengths] + ["all"]
+  body = []
+  for v in spec.variants:
+    mine = [r for r in rows if r["variant"] == v]
+    per_length = [np.mean([r["exact_match"] for r in mine if r["length"] == length]) for length in spec.lengths]
+    body.append([v] + [f"{100 * x:.0f}" for x in per_length] + [f"{100 * np.mean(per_length):.0f}"])
+  depths = ", ".join(f"{d:g}" for d in spec.depths)
+  note = (f"\nExact match (%) of the {spec.digits}-digit key over {spec.test_examples} haystacks per cell, averaged "
+          f"over needle depths {{{depths}}}; trained on {spec.train_length}-byte rows for {spec.steps} steps of "
+          f"{spec.batch_size} rows (lr {spec.lr:g}), model size `{spec.size}`, seed {spec.seed}. Per-depth figures "
+          "are in passkey.json and the plot.\n")
+  return common.markdown_table(header, body) + note
+
+
+def plot(rows: list[dict], spec: Passkey):
+  n = len(spec.variants)
+  cols = min(n, 4)
+  fig, axes = common.figure((n + cols - 1) // cols, cols, width=3.2, height=2.6)
+  for ax in axes.flat[n:]:
+    ax.axis("off")
+  for ax, v in zip(axes.flat, spec.variants):
+    grid = np.array([[100 * next(r["exact_match"] for r in rows if (r["variant"], r["length"], r["depth"]) ==
+                                 (v, length, d)) for length in spec.lengths] for d in spec.depths])
+    ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    for (i, j), a in np.ndenumerate(grid):
+      ax.text(j, i, f"{a:.0f}", ha="center", va="center", color="w" if a < 60 else "k", fontsize=8)
+    ax.set_title(v, fontsize=9)
+    ax.set_xticks(range(len(spec.lengths)), [str(x) for x in spec.lengths])
+    ax.set_yticks(range(len(spec.depths)), [f"{d:g}" for d in spec.depths])
+    ax.set_xlabel("length (bytes)")
+    ax.set_ylabel("depth")
+  fig.suptitle("passkey exact match (%)")
+  fig.tight_layout()
+  return fig
+
+
+SMOKE = dict(variants=("dn",), train_length=200, lengths=(200, 240), depths=(0.0, 1.0), steps=3, batch_size=2,
+             size="tiny", test_examples=2, implementation="reference")
+
+
+def main(argv):
+  del argv
+  f = FLAGS
+  if f.smoke:
+    spec = Passkey(**SMOKE)
+  else:
+    spec = Passkey(variants=tuple(f.variants), train_length=f.train_length, lengths=tuple(map(int, f.lengths)),
+                   depths=tuple(map(float, f.depths)), steps=f.steps, batch_size=f.batch_size, lr=f.lr,
+                   size=f.size, test_examples=f.test_examples, seed=f.seed, implementation=f.implementation)
+  provenance = None
+  if f.merge:   # parts of one comparison run in parallel (e.g. a process per variant): one report
+    spec, rows, provenance = common.merge_parts(f.merge, Passkey)
+  else:
+    rows = run(spec, f.out)
+  text = table(rows, spec)
+  command = "python -m experiments.passkey --smoke" if f.smoke else common.command("passkey", spec, skip=("digits",))
+  paths = common.write_results(f.out, "passkey", {"spec": dataclasses.asdict(spec), "rows": rows}, text,
+                               plot(rows, spec), command=command, provenance=provenance)
+  print(text)
+  print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+  d = Passkey()
+  flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
+  flags.DEFINE_integer("train_length", d.train_length, "bytes per training row")
+  flags.DEFINE_list("lengths", [str(x) for x in d.lengths], "haystack lengths scored (bytes)")
+  flags.DEFINE_list("depths", [str(x) for x in d.depths], "needle depths scored, in [0, 1]")
+  flags.DEFINE_integer("steps", d.steps, "optimiser steps per variant")
+  flags.DEFINE_integer("batch_size", d.batch_size, "rows per step")
+  flags.DEFINE_float("lr", d.lr, "peak learning rate")
+  flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
+  flags.DEFINE_integer("test_examples", d.test_examples, "haystacks per (length, depth)")
+  flags.DEFINE_integer("seed", d.seed, "initialisation and data seed")
+  flags.DEFINE_string("implementation", d.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_bool("smoke", False, "the CI size")
+  flags.DEFINE_string("out", "results", "output directory")
+  flags.DEFINE_list("merge", [], "passkey.json files of parts of one comparison: report them together")
+  app.run(main)
