@@ -24,6 +24,7 @@ from flax import nnx
 from osdn_jax import dgps, train
 from osdn_jax.data import IGNORE
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
+from osdn_jax.train.step import scored_positions
 
 # The points every experiment compares by default: the DeltaNet backbones and their preconditioned forms, OSDN-APF
 # with both anchors, and the `dn-fixed-d` control (a learned constant write scale in place of OSDN's online one).
@@ -87,7 +88,7 @@ def _score(graph, state, tokens, labels, positions):
   """(correct, scored) [B, positions] at the first `positions` scored positions of each row."""
   model = nnx.merge(graph, state)
   mask = labels != IGNORE
-  at = jnp.argsort(~mask, axis=1, stable=True)[:, :positions]
+  at = scored_positions(mask, positions)
   hidden = jnp.take_along_axis(model.hidden(tokens), at[..., None], axis=1)
   logits = jnp.einsum("bpd,vd->bpv", hidden, model.embed[...].astype(hidden.dtype))
   return jnp.argmax(logits, -1) == jnp.take_along_axis(labels, at, axis=1), jnp.take_along_axis(mask, at, axis=1)

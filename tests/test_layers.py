@@ -211,3 +211,21 @@ def test_bad_mixer_configs_name_the_field():
     layers.MixerConfig("gdn", d_model=64, num_heads=2, chunk_size=48)
   with pytest.raises(ValueError, match="`dtype`"):
     layers.MixerConfig("gdn", d_model=64, num_heads=2, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("name", ["pdn", "osdn-apf-kda"])
+def test_diagnostics_recall_residual_weights(name):
+  """The recall residual averages over the weighted positions of the rows that have any: weights of ones equal
+  no weights, scaling them changes nothing, a row with zero weight drops out (as if it were not in the batch),
+  and selecting the first positions gives another value; ‖S_T‖ is the norm of the state the layer returns."""
+  m, x = _mixer(name), _x(3)
+  every = m.diagnostics(x)
+  _assert_close(m.diagnostics(x, jnp.ones(x.shape[:2]))["recall_residual"], every["recall_residual"], "ones")
+  _assert_close(m.diagnostics(x, 3.0 * jnp.ones(x.shape[:2]))["recall_residual"], every["recall_residual"], "x3")
+  first_row = jnp.zeros(x.shape[:2]).at[0].set(1.0)
+  _assert_close(m.diagnostics(x, first_row)["recall_residual"], m.diagnostics(x[:1])["recall_residual"], "row")
+  early = jnp.zeros(x.shape[:2]).at[:, :5].set(1.0)
+  assert abs(float(m.diagnostics(x, early)["recall_residual"]) - float(every["recall_residual"])) > 1e-4
+  _, cache = m(x, return_cache=True)
+  norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(cache.S.astype(jnp.float32)), axis=(-2, -1))))
+  _assert_close(every["state_norm"], norm, "state norm")
