@@ -313,13 +313,13 @@ def test_nan_guard_names_step_metric_and_last_checkpoint(tmp_path, monkeypatch):
 
 def test_out_of_range_token_ids_stop_before_the_device():
   batch = {"tokens": np.zeros((2, 5), np.int32), "targets": np.zeros((2, 5), np.int32)}
-  loop.check_token_ids(batch, 256, 1)
+  data.pipeline.check_token_ids(batch, 256, "step 1")
   batch["targets"][1, 3] = 256
   with pytest.raises(ValueError, match=r"step 7: `targets`\[1, 3\] = 256 is outside the vocabulary \[0, 256\)"):
-    loop.check_token_ids(batch, 256, 7)
+    data.pipeline.check_token_ids(batch, 256, "step 7")
   batch["tokens"][0, 2] = -1
   with pytest.raises(ValueError, match=r"`tokens`\[0, 2\] = -1"):
-    loop.check_token_ids(batch, 256, 7)
+    data.pipeline.check_token_ids(batch, 256, "step 7")
 
 
 def _corpus_or_skip():

@@ -23,6 +23,10 @@ A batch (B = batch_size, this process's rows; T = seq_len):
                                to one document (so 0 at an EOS input, whose target begins the next document);
                                the recall tasks, exactly at their labelled positions; random, everywhere
 
+Every batch's tokens and targets are checked against the vocabulary before it is returned: an id outside
+[0, vocab_size) raises `TokenIdError` (a ValueError) naming the array, row, position and id, so that no such id
+reaches the device (where it would embed as NaN).
+
 Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes its `DEFAULTS` value):
   source        "text" | "random" | "mqar" | "passkey"
   tokenizer     "byte" | "bpe" (text only)
@@ -143,15 +147,36 @@ def _finish(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
           "loss_mask": loss_mask}
 
 
+class TokenIdError(ValueError):
+  """A token id outside [0, vocab_size) in a batch: `name` ("tokens" or "targets"), `row`, `position`, `value`;
+  `detail` is the message without its prefix ("`targets`[1, 3] = 256 is outside the vocabulary [0, 256)")."""
+
+  def __init__(self, name: str, row: int, position: int, value: int, vocab_size: int, where: str = "data"):
+    self.name, self.row, self.position, self.value, self.vocab_size = name, row, position, value, vocab_size
+    self.detail = f"`{name}`[{row}, {position}] = {value} is outside the vocabulary [0, {vocab_size})"
+    super().__init__(f"{where}: {self.detail}")
+
+
+def check_token_ids(batch: dict, vocab_size: int, where: str = "data") -> None:
+  """TokenIdError ("{where}: `targets`[1, 3] = 256 is outside the vocabulary [0, 256)") for the first id outside
+  [0, vocab_size) in a batch's tokens, then its targets ([B, T] each)."""
+  for name in ("tokens", "targets"):
+    ids = np.asarray(batch[name])
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+      row, position = map(int, np.argwhere(bad)[0])
+      raise TokenIdError(name, row, position, int(ids[row, position]), vocab_size, where)
+
+
 class Pipeline:
   """An endless iterator of batches (module docstring) with a JSON-serialisable position.
 
-  vocab_size: ids lie in [0, vocab_size). tokenizer: the text's (None for the other sources); eos_id: its EOS
-  (None likewise). source: the record source (e.g. `recall.MQARSource`, for its examples' structure).
-  get_state() describes the next batch `__next__` returns, whatever a prefetch thread has read
-  ahead; set_state(state) makes this pipeline return from there on exactly what the one that gave the state
-  would have. The state holds the pipeline's `signature` (source, sizes, seed, shard, vocabulary), and
-  set_state raises ValueError for a state of a different pipeline (the prefetch depth may differ).
+  vocab_size: ids lie in [0, vocab_size) (every batch is checked: `check_token_ids`). tokenizer: the text's (None
+  for the other sources); eos_id: its EOS (None likewise). source: the record source (e.g. `recall.MQARSource`,
+  for its examples' structure). get_state() describes the next batch `__next__` returns, whatever a prefetch
+  thread has read ahead; set_state(state) makes this pipeline return from there on exactly what the one that
+  gave the state would have. The state holds the pipeline's `signature` (source, sizes, seed, shard, vocabulary),
+  and set_state raises ValueError for a state of a different pipeline (the prefetch depth may differ).
   """
 
   def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any],
@@ -176,7 +201,9 @@ class Pipeline:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return next(self._iterator)
+    batch = next(self._iterator)
+    check_token_ids(batch, self.vocab_size)
+    return batch
 
   def get_state(self) -> dict[str, Any]:
     return {"version": STATE_VERSION, "signature": dict(self.signature),

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osdn_jax.dgps import checks
+
 
 def gate(a, A_log, dt_bias):
   """g = −exp(A_log) · softplus(a + dt_bias). a [B, T, HV] or [B, T, HV, K]; A_log [HV]; dt_bias a's tail."""
@@ -26,9 +28,19 @@ def retnet(batch: int, length: int, heads: int, dtype=jnp.float32):
   return jnp.broadcast_to(jnp.asarray(g, dtype), (batch, length, heads))
 
 
+def _pair(name, value):
+  if not isinstance(value, (tuple, list)) or len(value) != 2:
+    raise ValueError(f"init_gate: `{name}` must be a pair (lo, hi), got {value!r}")
+  return value
+
+
 def init_gate(key, shape, *, a_range=(1.0, 16.0), dt_range=(1e-3, 0.1), dt_floor=1e-4):
   """Mamba-2-style initial (A_log [shape[0]], dt_bias [shape]): A ~ U(1, 16), dt ~ logU(1e-3, 0.1) floored at
-  1e-4, dt_bias = softplus⁻¹(dt) = dt + log(−expm1(−dt))."""
+  1e-4, dt_bias = softplus⁻¹(dt) = dt + log(−expm1(−dt)). Each range is (lo, hi) with 0 < lo ≤ hi; dt_floor > 0."""
+  for name, (lo, hi) in (("a_range", _pair("a_range", a_range)), ("dt_range", _pair("dt_range", dt_range))):
+    checks.ordered("init_gate", f"{name}[0]", checks.number("init_gate", f"{name}[0]", lo, low=0.0, low_open=True),
+                   f"{name}[1]", checks.number("init_gate", f"{name}[1]", hi, low=0.0, low_open=True))
+  checks.number("init_gate", "dt_floor", dt_floor, low=0.0, low_open=True)
   k_a, k_dt = jax.random.split(key)
   A = jax.random.uniform(k_a, shape[:1], minval=a_range[0], maxval=a_range[1])
   lo, hi = np.log(dt_range[0]), np.log(dt_range[1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from osdn_jax.dgps import checks
 from osdn_jax.ops import common
 
 
@@ -34,7 +35,8 @@ def one(b, k=None):
 
 
 def nlms(b, k, eps=1e-6):
-  """Normalised LMS with a learned step: β = σ(b) / (‖k‖² + ε)."""
+  """Normalised LMS with a learned step: β = σ(b) / (‖k‖² + ε), ε > 0 (zero keys)."""
+  checks.number("nlms", "eps", eps, low=0.0, low_open=True)
   return jax.nn.sigmoid(b) / (_sq_norm(k, b.shape[-1]) + eps)
 
 

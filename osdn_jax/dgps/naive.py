@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from osdn_jax.dgps import precond
+from osdn_jax.dgps import checks, precond
 from osdn_jax.ops import packing
 
 
@@ -49,5 +49,6 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
 
 
 def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None):
+  checks.lam("atq_query", lam)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
   return (jnp.asarray(q, A.dtype) / (A + lam)).astype(q.dtype), A_T

@@ -23,6 +23,9 @@ the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 unpacked, else the token-serial scan), "pallas" (the kernels "decayed_sum", "precond_key", "osdn_d_pass";
 interpret mode on CPU) or "auto" (pallas on a GPU when a kernel supports the call, else xla; OSDN's d-pass takes
 the exact chunked form whenever it is unclipped and unpacked).
+
+Options given as numbers are range-checked on every call (`dgps.checks`: PDN's x ≥ 1 and ε > 0, λ > 0, η ≥ 0,
+d_min ≤ d_max, γ > 0, all finite); traced options pass unchecked.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from osdn_jax.dgps import checks
 from osdn_jax.ops import chunked, common, dispatch, packing
 from osdn_jax.ops.scan import affine_scan
 
@@ -121,7 +125,8 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
 
 
 def pdn_scale(A, center, *, x=1.5, eps=1e-6):
-  """M = exp(−log(x) z / (1 + |z|)), z = log(A + ε) − c (c per head [H] or scalar); M ∈ (1/x, x)."""
+  """M = exp(−log(x) z / (1 + |z|)), z = log(A + ε) − c (c per head [H] or scalar); M ∈ (1/x, x). x ≥ 1, ε > 0."""
+  checks.pdn("pdn_scale", x=x, eps=eps)
   z = jnp.log(A + eps) - jnp.asarray(center, A.dtype)[..., None]
   return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
@@ -135,7 +140,8 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
   """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K]).
 
   `implementation` as `second_moment`, but "pallas" runs the fused kernel "precond_key" (A_t never stored;
-  unpacked, fp32/bf16, x and eps static numbers)."""
+  unpacked, fp32/bf16, x and eps static numbers). x ≥ 1, ε > 0."""
+  checks.pdn("pdn_write_key", x=x, eps=eps)
   kind, kernel, g = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
                             _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
@@ -151,7 +157,8 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
               implementation="auto"):
   """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K]).
 
-  `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number)."""
+  `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number). λ > 0."""
+  checks.lam("atq_query", lam)
   kind, kernel, g = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
                             _static(lam), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
@@ -170,6 +177,7 @@ def apply_guard(w, k, beta, gamma):
 
   w, k [B, T, G, K]; beta [B, T, G].
   """
+  checks.gamma("apply_guard", gamma, "gamma")
   if gamma is None:
     return w
   s = beta * jnp.sum(k * w, axis=-1)
@@ -214,6 +222,9 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
   the bounds static numbers) or "auto" (the chunked form when unclipped and unpacked, else the kernel on a GPU
   when it supports the call, else the scan).
   """
+  checks.anchor("osdn_d_pass", anchor, "anchor")
+  checks.d_pass("osdn_d_pass", eta=eta, d_min=d_min, d_max=d_max)
+  checks.positive_int("osdn_d_pass", "chunk_size", chunk_size)
   impl = dispatch.normalize("osdn_d_pass", implementation)
   if impl in ("xla", "auto") and d_min is None and d_max is None and segment_ids is None:
     return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, anchor=anchor, chunk_size=chunk_size)
@@ -301,7 +312,8 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     k: [B, T, H, K] keys (expanded to beta's heads G ∈ {H, HV}). beta: [B, T, G] the solve's gains.
     retention: None (r ≡ 1, vanilla OSDN) or [B, T, G] APF retention in [0, 1] (floored at e^−30, like
       every log-decay of the solves).
-    eta, d_init (scalar or broadcastable to [G, K]), d_min, d_max (None: unbounded), guard (γ; None: off).
+    eta ≥ 0, d_init (finite; scalar or broadcastable to [G, K]), d_min ≤ d_max (None: unbounded), guard (γ > 0;
+      None: off).
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
     implementation: "auto" | "reference" | "xla" | "pallas", of the d-pass (`osdn_d_pass`).
@@ -309,8 +321,9 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
   """
-  if apf_anchor not in ("zero", "init"):
-    raise ValueError(f"osdn_write_key: `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
+  checks.osdn("osdn_write_key", eta=eta, d_init=d_init, d_min=d_min, d_max=d_max, guard=guard,
+              apf_anchor=apf_anchor, d_init_in_bounds=False)
+  checks.positive_int("osdn_write_key", "chunk_size", chunk_size)
   dispatch.normalize("osdn_write_key", implementation)
   if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
     raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
@@ -331,7 +344,8 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
 
 
 def fixed_write_key(k, beta, d, *, guard=2.0):
-  """The control point: k̃ = guard(d ⊙ k) with a constant write scale d (broadcastable to [G, K])."""
+  """The control point: k̃ = guard(d ⊙ k) with a constant write scale d (broadcastable to [G, K]; γ > 0 or None)."""
+  checks.gamma("fixed_write_key", guard)
   heads = beta.shape[2]
   ct = _ct(k, beta)
   kx = jnp.asarray(_on_heads(k, heads), ct)
@@ -363,14 +377,16 @@ def _exact_pass(k, beta, lam, emit):
 
 
 def exact_write_key(k, beta, *, lam=1.0):
-  """k̃_t = G_{t-1}⁻¹k_t / (1 + β_t k_tᵀG_{t-1}⁻¹k_t) (= G_t⁻¹k_t). Returns (k̃ [B,T,G,K], G_T⁻¹ [B,G,K,K])."""
+  """k̃_t = G_{t-1}⁻¹k_t / (1 + β_t k_tᵀG_{t-1}⁻¹k_t) (= G_t⁻¹k_t), λ > 0. Returns (k̃ [B,T,G,K], G_T⁻¹ [B,G,K,K])."""
+  checks.lam("exact_write_key", lam)
   P0, body, tm, kx, beta = _exact_pass(k, beta, lam, lambda P, kt, _: kt)
   P, ks = lax.scan(body, P0, (tm(kx), tm(beta), None))
   return jnp.moveaxis(ks, 0, 1).astype(k.dtype), P
 
 
 def exact_query(q, k, beta, *, lam=1.0):
-  """q̃_t = G_t⁻¹ q_t (token t included). Returns (q̃ [B,T,G,K], G_T⁻¹)."""
+  """q̃_t = G_t⁻¹ q_t (token t included), λ > 0. Returns (q̃ [B,T,G,K], G_T⁻¹)."""
+  checks.lam("exact_query", lam)
   P0, body, tm, kx, beta = _exact_pass(k, beta, lam,
                                        lambda P, kt, q_t: jnp.einsum("...ij,...j->...i", P, q_t, precision=_HI))
   qx = jnp.asarray(_on_heads(q, beta.shape[2]), kx.dtype)

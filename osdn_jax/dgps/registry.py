@@ -4,7 +4,9 @@ Solve), and an unnamed point is composed from axis names the same way.
 A point runs on *projected* per-token inputs: q, k [B, T, H, K], v [B, T, HV, V] and the features each axis
 asks for (`Point.feature_shapes(dims)`: e.g. the gain's logit b [B, T, HV], the scalar decay's a [B, T, HV]),
 with the parameters of `Point.init_params`. A layer projects the features from its input; a notebook can pass
-random arrays.
+random arrays. Every feature and parameter must be given under its name with exactly its shape (no broadcasting:
+a [B, T, 1] decay for [B, T, HV] is a ValueError), and the options are range-checked when the point is built
+(`dgps.checks`).
 
     point = dgps.get("pgdn")                       # or dgps.compose(decay="scalar", precond="pdn")
     dims = dgps.Dims(heads=4, value_heads=4, key_dim=64, value_dim=64)
@@ -18,7 +20,9 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from osdn_jax.dgps import checks
 from osdn_jax.dgps import decay as decay_fns
 from osdn_jax.dgps import gain as gain_fns
 from osdn_jax.dgps import precond as precond_fns
@@ -27,13 +31,15 @@ from osdn_jax.dgps import solve as solve_fns
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-  """H key heads, HV = g·H value heads, key and value head dimensions."""
+  """H key heads, HV = g·H value heads, key and value head dimensions (positive ints)."""
   heads: int
   value_heads: int
   key_dim: int
   value_dim: int
 
   def __post_init__(self):
+    checks.dims("Dims", heads=self.heads, value_heads=self.value_heads, key_dim=self.key_dim,
+                value_dim=self.value_dim)
     if self.value_heads % self.heads:
       raise ValueError(f"Dims: `value_heads` ({self.value_heads}) must be a multiple of `heads` ({self.heads})")
 
@@ -50,8 +56,11 @@ class Feature:
   low_rank: bool = False
 
   def resolve(self, dims: Dims) -> tuple[int, ...]:
-    sizes = {"H": dims.heads, "HV": dims.value_heads, "K": dims.key_dim}
-    return tuple(sizes[s] for s in self.shape)
+    return _resolve(self.shape, {"H": dims.heads, "HV": dims.value_heads, "K": dims.key_dim})
+
+
+def _resolve(symbols: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:
+  return tuple(sizes[s] for s in symbols)
 
 
 @dataclasses.dataclass
@@ -71,11 +80,16 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
-  """One value of one DGPS axis: the features and parameters it needs and the function that applies it."""
+  """One value of one DGPS axis: the features and parameters it needs and the function that applies it.
+
+  params: {name: shape in symbols "H", "HV", "K"} of what `init` returns. check(owner, options): raises a
+  ValueError for an option out of range (`dgps.checks`)."""
   apply: Callable[[Context], Any]
   features: Mapping[str, Feature] = dataclasses.field(default_factory=dict)
   init: Callable[[Any, Dims, Mapping[str, Any]], dict] = lambda key, dims, opts: {}
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  params: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  check: Callable[[str, Mapping[str, Any]], None] = lambda owner, opts: None
 
 
 def _shape3(c: Context):
@@ -89,10 +103,12 @@ DECAYS = {
     "none": Axis(lambda c: None),
     "scalar": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
                    features={"a": Feature(("HV",))},
-                   init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads,))),
+                   init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads,)),
+                   params={"A_log": ("HV",), "dt_bias": ("HV",)}),
     "channel": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
                     features={"a": Feature(("HV", "K"), low_rank=True)},
-                    init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads, d.key_dim))),
+                    init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads, d.key_dim)),
+                    params={"A_log": ("HV",), "dt_bias": ("HV", "K")}),
     "constant": Axis(lambda c: decay_fns.retnet(*_shape3(c))),
 }
 
@@ -159,19 +175,27 @@ def _second_moment_init(key, d: Dims, o):
 
 _OSDN = dict(eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0, apf_anchor="zero")
 _APF_BIAS = {"zero": 8.0, "init": 2.0}   # σ(8) ≈ 0.9997 keeps d near d_init at the start (docs/design.md §1)
+_GATES = {"A_log": ("H",), "dt_bias": ("H",)}
+_LAM = lambda owner, o: checks.lam(owner, o["lam"])
+_OSDN_NAMES = (*_OSDN, "apf_bias")
+_CHECK_OSDN = lambda owner, o: checks.osdn(owner, **{n: o[n] for n in _OSDN_NAMES if n in o})
 
 PRECONDS = {
     "identity": Axis(lambda c: ({}, None)),
     "pdn": Axis(_pdn, features={"a": Feature(("H",)), "b": Feature(("H",))}, init=_second_moment_init,
-                defaults=dict(x=1.5, eps=1e-6, center_init=-0.2)),
+                defaults=dict(x=1.5, eps=1e-6, center_init=-0.2), params=dict(_GATES, center=("H",)),
+                check=lambda owner, o: checks.pdn(owner, x=o["x"], eps=o["eps"], center_init=o["center_init"])),
     "atq": Axis(_atq, features={"a": Feature(("H",)), "b": Feature(("H",))},
-                init=lambda key, d, o: decay_fns.init_gate(key, (d.heads,)), defaults=dict(lam=1.0)),
-    "osdn": Axis(_osdn, defaults=_OSDN),
-    "osdn-apf": Axis(_osdn, features={"r": Feature(("HV",), bias=None)}, defaults=dict(_OSDN, apf_bias=None)),
+                init=lambda key, d, o: decay_fns.init_gate(key, (d.heads,)), defaults=dict(lam=1.0), params=_GATES,
+                check=_LAM),
+    "osdn": Axis(_osdn, defaults=_OSDN, check=_CHECK_OSDN),
+    "osdn-apf": Axis(_osdn, features={"r": Feature(("HV",), bias=None)}, defaults=dict(_OSDN, apf_bias=None),
+                     check=_CHECK_OSDN),
     "fixed": Axis(_fixed, init=lambda key, d, o: {
         "log_d": jnp.full((d.value_heads, d.key_dim), jnp.log(o["d_init"]), jnp.float32)},
-                  defaults=dict(d_init=1.0, guard=2.0)),
-    "exact": Axis(_exact, defaults=dict(lam=1.0)),
+                  defaults=dict(d_init=1.0, guard=2.0), params={"log_d": ("HV", "K")},
+                  check=lambda owner, o: checks.fixed(owner, d_init=o["d_init"], guard=o["guard"])),
+    "exact": Axis(_exact, defaults=dict(lam=1.0), check=_LAM),
 }
 
 SOLVES = solve_fns.KINDS
@@ -185,7 +209,8 @@ def _l2norm(x, eps=1e-6):
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One point of the DGPS space. `options` override the axes' defaults (e.g. x=2.0 for PDN, eta=0.5)."""
+  """One point of the DGPS space. `options` override the axes' defaults (e.g. x=2.0 for PDN, eta=0.5); unknown
+  names and values out of range (`dgps.checks`) are a ValueError here."""
   name: str
   decay: str
   gain: str
@@ -196,9 +221,11 @@ class Point:
   doc: str = ""
 
   def __post_init__(self):
+    if not isinstance(self.name, str):
+      raise ValueError(f"DGPS point: `name` must be a str, got {self.name!r}")
     for axis, table, value in (("decay", DECAYS, self.decay), ("gain", GAINS, self.gain),
                                ("precond", PRECONDS, self.precond), ("solve", SOLVES, self.solve)):
-      if value not in table:
+      if not isinstance(value, str) or value not in table:
         raise ValueError(f"DGPS point {self.name!r}: unknown `{axis}` {value!r}; one of {sorted(table)}")
     if self.precond == "atq" and self.solve != "offline":
       raise ValueError(f"DGPS point {self.name!r}: the ATQ preconditioner transforms the query of the "
@@ -206,17 +233,47 @@ class Point:
     if self.precond in ("pdn", "osdn", "osdn-apf", "fixed") and self.solve != "online":
       raise ValueError(f"DGPS point {self.name!r}: precond {self.precond!r} preconditions the write key of "
                        "the online solve; use solve='online' (or precond='atq' offline)")
-    unknown = set(dict(self.options)) - set(self._axis("precond").defaults) - {"solve"}
+    owner = f"DGPS point {self.name!r}"
+    if not isinstance(self.normalize_qk, (bool, np.bool_)):
+      raise ValueError(f"{owner}: `normalize_qk` must be a bool, got {self.normalize_qk!r}")
+    try:
+      given = dict(self.options)
+    except (TypeError, ValueError):
+      raise ValueError(f"{owner}: `options` must be (name, value) pairs, got {self.options!r}") from None
+    defaults = self._axis("precond").defaults
+    unknown = set(given) - set(defaults) - {"solve"}
     if unknown:
-      raise ValueError(f"DGPS point {self.name!r}: unknown options {sorted(unknown)} for precond "
-                       f"{self.precond!r}; known: {sorted(self._axis('precond').defaults)}")
+      raise ValueError(f"{owner}: unknown options {sorted(unknown)} for precond "
+                       f"{self.precond!r}; known: {sorted(defaults)}")
+    # `solve` is an axis; as an option (a round trip of `opts`) it may only repeat the point's own.
+    if given.get("solve", self.solve) != self.solve:
+      raise ValueError(f"{owner}: `solve` is the point's axis ({self.solve!r}), not an option; got "
+                       f"solve={given['solve']!r} (compose the point with dgps.compose(solve=...))")
+    self._axis("precond").check(owner, dict(defaults, **given))
 
   def _axis(self, which: str) -> Axis:
     return {"decay": DECAYS, "gain": GAINS, "precond": PRECONDS}[which][getattr(self, which)]
 
+  def check_inputs(self, q, v, features, params, *, per_token: bool = False) -> None:
+    """ValueError unless `features` and `params` hold exactly the point's names ({axis: {name: array}}), each
+    floating with exactly the shape `feature_shapes` (led by q's [B, T]) and `init_params` give at the sizes of
+    q [B, T, H, K] and v [B, T, HV, V] (per_token: q [B, H, K], v [B, HV, V], features led by [B])."""
+    owner = f"DGPS point {self.name!r}"
+    lead_sym = "[B, " if per_token else "[B, T, "
+    rank = 3 if per_token else 4
+    for name, x, layout in (("q", q, lead_sym + "H, K]"), ("v", v, lead_sym + "HV, V]")):
+      if np.ndim(x) != rank:
+        raise ValueError(f"{owner}: `{name}` must be {layout}, got shape {np.shape(x)}")
+    sizes = {"H": np.shape(q)[-2], "K": np.shape(q)[-1], "HV": np.shape(v)[-2]}
+    lead = tuple(np.shape(q)[:-2])
+    wanted_f = {w: {n: (lead, f.shape) for n, f in fs.items()} for w, fs in self.features().items()}
+    wanted_p = {w: {n: ((), shape) for n, shape in self._axis(w).params.items()} for w in wanted_f}
+    _check_tree(owner, "feature", features, wanted_f, sizes, lead_sym)
+    _check_tree(owner, "parameter", params, wanted_p, sizes, "[")
+
   @property
   def opts(self) -> dict:
-    o = dict(self._axis("precond").defaults, **dict(self.options), solve=self.solve)
+    o = {**self._axis("precond").defaults, **dict(self.options), "solve": self.solve}
     if self.precond == "osdn-apf" and o["apf_bias"] is None:
       o["apf_bias"] = _APF_BIAS[o["apf_anchor"]]
     return o
@@ -257,6 +314,8 @@ class Point:
     """Applies the D, G and P axes: returns the solve's inputs (q, k, v, beta, k_write, q_tilde, log_decay)
     and the preconditioner's final state under "precond_state". `implementation` runs the preconditioner's pass
     ("reference": its token-serial form)."""
+    self.check_inputs(q, v, features, params)
+    features, params = features or {}, params or {}
     if self.normalize_qk:
       q, k = _l2norm(q), _l2norm(k)
     ctx = lambda w, **kw: Context(q, k, v, features.get(w, {}), params.get(w, {}), self.opts,
@@ -288,14 +347,36 @@ class Point:
   def step(self, q, k, v, features, params, state, *, scale=None):
     """One token for decoding: q, k [B, H, K], v [B, HV, V], features per token without T; state as in
     __call__ (required). Returns (o [B, HV, V], new state)."""
+    self.check_inputs(q, v, features, params, per_token=True)
     add_t = lambda x: x[:, None]
-    x = self.prepare(add_t(q), add_t(k), add_t(v), jax.tree.map(add_t, features), params,
+    x = self.prepare(add_t(q), add_t(k), add_t(v), jax.tree.map(add_t, features or {}), params,
                      precond_state=state.get("precond"))
     drop_t = lambda a: None if a is None else a[:, 0]
     o, S = solve_fns.step(self.solve, drop_t(x["q"]), drop_t(x["k"]), drop_t(x["v"]), drop_t(x["beta"]),
                           state["S"], k_write=drop_t(x["k_write"]), q_tilde=drop_t(x["q_tilde"]),
                           log_decay=drop_t(x["log_decay"]), scale=scale)
     return o, {"S": S, "precond": x["precond_state"]}
+
+
+def _check_tree(owner: str, kind: str, tree, wanted, sizes, lead_sym: str) -> None:
+  """`tree` {axis: {name: array}} against wanted {axis: {name: (leading shape, symbols)}}: every wanted name present
+  with its shape and a floating dtype. Other names are ignored, so that one set of inputs (e.g. a richer point's
+  features) can feed several points."""
+  layout = lambda sym: lead_sym + ", ".join(sym) + "]"
+  expected = ", ".join(f"{w}.{n} {layout(sym)}" for w, fs in wanted.items() for n, (_, sym) in fs.items()) or "none"
+  tree = {} if tree is None else tree
+  if not isinstance(tree, Mapping) or not all(isinstance(t, Mapping) for t in tree.values()):
+    raise ValueError(f"{owner}: the {kind}s must be a mapping {{axis: {{name: array}}}}; expected {expected}")
+  for w, fs in wanted.items():
+    for n, (lead, sym) in fs.items():
+      if n not in tree.get(w, {}):
+        raise ValueError(f"{owner}: missing {kind} `{w}.{n}`; the point takes {kind}s {expected}")
+      x = tree[w][n]
+      want = tuple(lead) + _resolve(sym, sizes)
+      if tuple(np.shape(x)) != want:
+        raise ValueError(f"{owner}: {kind} `{w}.{n}` must have shape {layout(sym)} = {want}, got {np.shape(x)}")
+      if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"{owner}: {kind} `{w}.{n}` must be a floating array, got dtype {jnp.result_type(x)}")
 
 
 _DN = "DeltaNet (Yang et al., NeurIPS 2024, 'Parallelizing Linear Transformers with the Delta Rule')"

@@ -16,13 +16,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from osdn_jax import dgps, diagnostics
+from osdn_jax.dgps import checks
 from osdn_jax.layers import sharding
 from osdn_jax.layers.conv import ShortConv
 from osdn_jax.layers.norms import RMSNorm
+from osdn_jax.ops import dispatch
 
 COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -50,8 +53,24 @@ def check_heads(owner: str, *, d_model, num_heads, head_dim=None, num_value_head
 
 
 def check_dtype(owner: str, dtype) -> None:
-  if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in COMPUTE_DTYPES):
+  try:
+    ok = any(jnp.dtype(dtype) == jnp.dtype(d) for d in COMPUTE_DTYPES)
+  except TypeError:
+    ok = False
+  if not ok:
     raise ValueError(f"{owner}: `dtype` must be one of float32, bfloat16, float16, got {dtype!r}")
+
+
+def check_options(owner: str, *, output_gate, norm_eps, implementation, **positive) -> None:
+  """The mixer's non-structural options: output_gate None or a bool, norm_eps and each of `positive` (e.g.
+  out_init_scale) finite and > 0, implementation one of `ops.dispatch.IMPLEMENTATIONS` (or "naive")."""
+  if output_gate is not None and not isinstance(output_gate, (bool, np.bool_)):
+    raise ValueError(f"{owner}: `output_gate` must be None or a bool, got {output_gate!r}")
+  for name, value in dict(norm_eps=norm_eps, **positive).items():
+    checks.number(owner, name, value, low=0.0, low_open=True)
+  if not isinstance(implementation, str):
+    raise ValueError(f"{owner}: `implementation` must be a str, got {implementation!r}")
+  dispatch.normalize(owner, implementation)
 
 
 def is_kda_family(point: dgps.Point) -> bool:
@@ -69,6 +88,7 @@ class MixerConfig:
   per-channel decay). output_gate: σ(W_g x) on the normalised output (default: the KDA family only).
   dtype: compute dtype of activations and matmuls; parameters stay fp32, gates and states fp32.
   out_init_scale: the output projection's init std multiplier (e.g. 1/√(2L) in a residual stack).
+  norm_eps and out_init_scale are finite and > 0; the point's options are checked when the point is built.
   """
   point: Any
   d_model: int
@@ -99,6 +119,8 @@ class MixerConfig:
     if self.chunk_size not in CHUNK_SIZES:
       raise ValueError(f"MixerConfig: `chunk_size` must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
     check_dtype("MixerConfig", self.dtype)
+    check_options("MixerConfig", output_gate=self.output_gate, norm_eps=self.norm_eps,
+                  implementation=self.implementation, out_init_scale=self.out_init_scale)
 
   @property
   def dims(self) -> dgps.Dims:

@@ -52,11 +52,13 @@ class ModelConfig:
   final RMSNorm.
 
   variant: a DGPS registry point (`osdn_jax.dgps.names()`); point_options override its preconditioner options
-  (e.g. (("x", 2.0),)). Heads: H = num_heads of size head_dim (default D // H); num_value_heads HV (a multiple
-  of H; default H) of size value_head_dim (default head_dim). mlp_hidden: default 256·⌈(2/3·4·D)/256⌉.
+  (a mapping or (name, value) pairs, e.g. (("x", 2.0),); range-checked by `dgps.get`). Heads: H = num_heads of
+  size head_dim (default D // H); num_value_heads HV (a multiple of H; default H) of size value_head_dim (default
+  head_dim). mlp_hidden: default 256·⌈(2/3·4·D)/256⌉.
   output_gate: default the KDA family only (see `layers.MixerConfig`). dtype: the compute dtype (activations
   and matmuls); parameters are fp32 and the residual stream stays fp32. init_std: the embedding's init std.
   remat: what each block keeps for the backward pass in `LanguageModel.hidden` (`REMAT_POLICIES`).
+  norm_eps and init_std are finite and > 0.
   """
   variant: str
   vocab_size: int
@@ -90,10 +92,24 @@ class ModelConfig:
     mixer_lib.check_heads("ModelConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
                           num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
     mixer_lib.check_dtype("ModelConfig", self.dtype)
-    if self.remat not in REMAT_POLICIES:
+    mixer_lib.check_options("ModelConfig", output_gate=self.output_gate, norm_eps=self.norm_eps,
+                            implementation=self.implementation, init_std=self.init_std)
+    if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig: `remat` must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
-    object.__setattr__(self, "point_options", tuple(sorted(dict(self.point_options).items())))
-    self.point  # unknown options raise here, naming them
+    if not isinstance(self.name, str):
+      raise ValueError(f"ModelConfig: `name` must be a str, got {self.name!r}")
+    try:
+      options = dict(self.point_options)
+    except (TypeError, ValueError):
+      options = None
+    if options is None or not all(isinstance(k, str) for k in options):
+      raise ValueError("ModelConfig: `point_options` must be a mapping or (name, value) pairs of option names and "
+                       f"values, got {self.point_options!r}")
+    object.__setattr__(self, "point_options", tuple(sorted(options.items())))
+    try:
+      self.point  # unknown or out-of-range options raise here, naming them
+    except ValueError as e:
+      raise ValueError(f"ModelConfig: `point_options`: {e}") from None
 
   @property
   def point(self) -> dgps.Point:

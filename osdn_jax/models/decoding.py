@@ -6,20 +6,26 @@
     more, state = generate(model, None, 32, state=state)         # continues: equals one call of 64
 
 All three are jitted (the model is split into its graph and state and merged inside the traced function); the
-token loop of `generate` is one `lax.scan`. The cache holds, per layer, the solve's state S [B, HV, K, V], the
+token loop of `generate` is one `lax.scan`. Arguments are validated on the host (ValueError naming the argument):
+concrete token ids outside [0, vocab) by their first position and value. Traced ids (these functions called under
+the caller's jit) are checked when the caller runs in checked mode (`osdn_jax.checking.checked`), and otherwise
+give NaN logits from the bad position on. The cache holds, per layer, the solve's state S [B, HV, K, V], the
 preconditioner's state and the short convolution's last W − 1 inputs (a `LayerCache` stacked over layers):
 O(1) in the context length.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from osdn_jax.models.lm import Cache, LanguageModel
+from osdn_jax import checking
+from osdn_jax.models.lm import Cache, LanguageModel, check_ids
 
 
 class DecodeState(NamedTuple):
@@ -40,17 +46,28 @@ def _step(graphdef, params, token, cache):
   return nnx.merge(graphdef, params).step(token, cache)
 
 
+def _tokens(tokens, vocab_size: int, where: str, name: str, rank: int = 2):
+  """tokens checked (`lm.check_ids`; every dimension ≥ 1) as int32."""
+  tokens, _ = check_ids(tokens, vocab_size, where=where, name=name, rank=rank)
+  if 0 in tokens.shape:
+    shape = "[B, T] with B ≥ 1 and T ≥ 1" if rank == 2 else "[B] with B ≥ 1"
+    raise ValueError(f"{where}: `{name}` must be an integer array {shape}, got shape {tuple(tokens.shape)}")
+  return tokens.astype(jnp.int32)
+
+
 def prefill(model: LanguageModel, tokens, *, cache: Cache | None = None):
   """The chunked forward over tokens [B, T] (continuing `cache` if given). Returns (logits [B, T, vocab],
   cache after the last token)."""
+  tokens = _tokens(tokens, model.cfg.vocab_size, "prefill", "tokens")
   graphdef, params = nnx.split(model)
-  return _prefill(graphdef, params, jnp.asarray(tokens, jnp.int32), cache)
+  return _prefill(graphdef, params, tokens, cache)
 
 
 def step(model: LanguageModel, token, cache: Cache):
   """One token per sequence, token [B]. Returns (logits [B, vocab], new cache)."""
+  token = _tokens(token, model.cfg.vocab_size, "step", "token", rank=1)
   graphdef, params = nnx.split(model)
-  return _step(graphdef, params, jnp.asarray(token, jnp.int32), cache)
+  return _step(graphdef, params, token, cache)
 
 
 def sample(logits, key, *, temperature=0.0, top_k: int | None = None):
@@ -97,17 +114,33 @@ def generate(model: LanguageModel, prompt, num_tokens: int, *, temperature: floa
   top_k, the prompt's shape and whether prompt/state are given do). state: a previous call's DecodeState
   (then prompt may be None, or more tokens to feed first). Returns (tokens [B, num_tokens] int32, the
   DecodeState after them: every generated token has been fed, so its logits predict the next one).
+
+  ValueError naming the argument: prompt not an integer array [B, T] with B, T ≥ 1 (or an id outside the
+  vocabulary), num_tokens not an int ≥ 0 (0 gives tokens [B, 0] and the state after the prompt), temperature not
+  a finite real ≥ 0, top_k not an int in [1, vocab].
   """
+  vocab = model.cfg.vocab_size
   if prompt is None and state is None:
     raise ValueError("generate: give a `prompt` [B, T] or a `state` from a previous call")
-  if temperature < 0:
-    raise ValueError(f"generate: `temperature` must be ≥ 0, got {temperature}")
-  if temperature > 0 and rng is None:
+  if prompt is not None:
+    prompt = _tokens(prompt, vocab, "generate", "prompt")
+    if state is not None and prompt.shape[0] != state.logits.shape[0]:
+      raise ValueError(f"generate: `prompt` has {prompt.shape[0]} rows but `state` holds {state.logits.shape[0]} "
+                       f"sequences")
+  if not _is_int(num_tokens) or num_tokens < 0:
+    raise ValueError(f"generate: `num_tokens` must be an int ≥ 0, got {num_tokens!r}")
+  t = checking.concrete(temperature)
+  if t is None or t.shape != () or t.dtype.kind not in "iuf" or not math.isfinite(t) or t < 0:
+    raise ValueError(f"generate: `temperature` must be a finite real ≥ 0, got {temperature!r}")
+  if t > 0 and rng is None:
     raise ValueError("generate: sampling (`temperature` > 0) needs `rng`")
-  if top_k is not None and not 0 < top_k <= model.cfg.vocab_size:
-    raise ValueError(f"generate: `top_k` must be in [1, vocab_size = {model.cfg.vocab_size}], got {top_k}")
+  if top_k is not None and (not _is_int(top_k) or not 0 < top_k <= vocab):
+    raise ValueError(f"generate: `top_k` must be an int in [1, vocab_size = {vocab}] or None, got {top_k!r}")
   graphdef, params = nnx.split(model)
-  prompt = None if prompt is None else jnp.asarray(prompt, jnp.int32)
   rng = jax.random.key(0) if rng is None else rng       # unused when greedy; one pytree structure either way
-  return _generate(graphdef, params, prompt, state, rng, jnp.float32(temperature), num_tokens=int(num_tokens),
-                   top_k=top_k)
+  return _generate(graphdef, params, prompt, state, rng, jnp.float32(t), num_tokens=int(num_tokens),
+                   top_k=None if top_k is None else int(top_k))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

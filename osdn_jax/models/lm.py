@@ -3,13 +3,34 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from osdn_jax import checking
 from osdn_jax.layers import DGPSMixer, LayerCache, RMSNorm, SwiGLU
 from osdn_jax.models.config import REMAT_POLICIES, ModelConfig, config
 
 # The decoding state of the whole stack: a LayerCache whose leaves carry a leading layer axis [L, B, ...].
 Cache = LayerCache
+
+
+def check_ids(tokens, vocab_size: int, *, where: str, name: str, rank: int = 2):
+  """tokens as an integer array of `rank` dims ([B, T] or [B]), checked: ValueError naming `where` and `name`
+  for another rank, a non-integer dtype, or a concrete id outside [0, vocab_size) (its position and value).
+  Returns (tokens as a jax array, its concrete values as numpy or None when traced)."""
+  values = checking.concrete(tokens)
+  tokens = jnp.asarray(tokens)
+  shape = "[B, T]" if rank == 2 else "[B]"
+  if tokens.ndim != rank or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{where}: `{name}` must be an integer array {shape}, got shape {tuple(tokens.shape)} "
+                     f"{tokens.dtype}")
+  if values is not None:
+    bad = (values < 0) | (values >= vocab_size)
+    if bad.any():
+      at = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"{where}: `{name}`[{', '.join(map(str, at))}] = {int(values[at])} is outside the "
+                       f"vocabulary [0, {vocab_size})")
+  return tokens, values
 
 
 class Block(nnx.Module):
@@ -45,6 +66,10 @@ class LanguageModel(nnx.Module):
   embed [vocab, D] (init N(0, init_std²)) is also the output head; blocks: L `Block`s stored stacked (every
   parameter has a leading layer axis [L, ...]) and applied with `lax.scan`, so a step compiles one block
   whatever L; final_norm [D].
+
+  Token ids are checked: a ValueError naming the argument for a wrong rank or dtype or (concrete ids) the first
+  position and value outside [0, vocab). Traced ids (under jit) are checked in checked mode (`osdn_jax.checking`);
+  otherwise an id outside the vocabulary embeds as NaN at its own position.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -70,6 +95,22 @@ class LanguageModel(nnx.Module):
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
     return jax.lax.scan(body, x, (params, per_layer))
 
+  def _embed(self, tokens, *, where: str, name: str = "tokens", rank: int = 2):
+    """Token ids [B, T] (or [B]) → embeddings [B, T, D] fp32, the ids checked (`check_ids`). Traced ids are
+    checked in checked mode (`checking.require`, naming the first bad position and id); otherwise an id outside
+    [0, vocab) embeds as NaN at its own position."""
+    vocab = self.cfg.vocab_size
+    tokens, values = check_ids(tokens, vocab, where=where, name=name, rank=rank)
+    valid = (tokens >= 0) & (tokens < vocab)
+    if values is None and tokens.size:
+      first = jnp.argmax(~valid.reshape(-1))
+      at = jnp.unravel_index(first, tokens.shape)
+      index = ", ".join(["{}"] * rank)
+      checking.require(jnp.all(valid), f"{where}: `{name}`[{index}] = {{}} is outside the vocabulary [0, {vocab})",
+                       *at, tokens.reshape(-1)[first])
+    x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
+    return jnp.where(valid[..., None], x, jnp.nan)
+
   def _logits(self, x):
     h = self.final_norm(x)
     return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype)).astype(jnp.float32)
@@ -79,7 +120,7 @@ class LanguageModel(nnx.Module):
     logits = hidden · embedᵀ). Blocks run under the config's rematerialisation policy (training).
     segments_per_row: a static bound on the segments in a row of segment_ids (`DGPSMixer.__call__`)."""
     layer = lambda block, x, _: (block(x, segment_ids=segment_ids, segments_per_row=segments_per_row), None)
-    x, _ = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None, remat=True)
+    x, _ = self._scan_blocks(layer, self._embed(tokens, where="LanguageModel.hidden"), None, remat=True)
     return self.final_norm(x)
 
   def diagnostics(self, tokens, weights=None):
@@ -89,7 +130,7 @@ class LanguageModel(nnx.Module):
     def layer(block, x, _):
       return block(x), block.mixer.diagnostics(block.mixer_norm(x), weights)
 
-    _, out = self._scan_blocks(layer, jnp.take(self.embed[...], tokens, axis=0), None)
+    _, out = self._scan_blocks(layer, self._embed(tokens, where="LanguageModel.diagnostics"), None)
     return out
 
   def __call__(self, tokens, *, segment_ids=None, cache: Cache | None = None, return_cache: bool = False):
@@ -102,14 +143,14 @@ class LanguageModel(nnx.Module):
       out = block(x, segment_ids=segment_ids, cache=c, return_cache=return_cache)
       return out if return_cache else (out, None)
 
-    x = jnp.take(self.embed[...], tokens, axis=0)
+    x = self._embed(tokens, where="LanguageModel")
     x, new_cache = self._scan_blocks(layer, x, cache)
     logits = self._logits(x)
     return (logits, new_cache) if return_cache else logits
 
   def step(self, token, cache: Cache):
     """One token per sequence: token [B] int. Returns (logits [B, vocab] fp32, new cache)."""
-    x = jnp.take(self.embed[...], token, axis=0)
+    x = self._embed(token, where="LanguageModel.step", name="token", rank=1)
     x, cache = self._scan_blocks(lambda block, x, c: block.step(x, c), x, cache)
     return self._logits(x), cache
 

@@ -8,23 +8,52 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from osdn_jax.ops import checks, chunked, common, dispatch, naive, packing
+from osdn_jax import checking
+from osdn_jax.ops import checks, chunked, common, dispatch, faults, naive, packing
 
 
-def _run(op, implementation, spec, segment_ids, output_final_state, q, *args, **kwargs):
+def _empty(spec, q, v, initial_state):
+  """The result of a solve over no tokens or no rows: o [B, T, HV, V] empty; the final states are the initial
+  ones (zeros when not given) in the compute dtype."""
+  ct = common.compute_dtype(q.dtype)
+  o = jnp.zeros(v.shape, q.dtype)
+  rows = spec.batch if spec.num_segments is None else spec.num_segments
+  shape = (rows, spec.value_heads, spec.key_dim, spec.value_dim)
+  return o, (jnp.zeros(shape, ct) if initial_state is None else jnp.asarray(initial_state, ct))
+
+
+def _run(op, implementation, spec, segment_ids, output_final_state, q, k, v, beta, *, k_write=None,
+         log_decay=None, initial_state=None, scale=None):
   if spec.packed and spec.num_segments is None and dispatch.normalize(op, implementation) == "pallas":
     raise ValueError(f"{op}: `implementation`='pallas' with traced `segment_ids` needs N static: pass "
                      "`initial_state` of shape [N, HV, K, V] (zeros are fine), or use 'xla' or 'auto'")
+  if spec.batch == 0 or spec.length == 0:
+    o, S = _empty(spec, q, v, initial_state)
+    return o, (S if output_final_state else None)
   kind, kernel = dispatch.choose(spec, implementation)
   fn = {"reference": getattr(naive, op), "xla": getattr(chunked, op)}.get(kind, kernel)
-  if kind != "reference":
-    kwargs["chunk_size"] = spec.chunk_size
+  static = {} if kind == "reference" else {"chunk_size": spec.chunk_size}
   if segment_ids is not None:   # N goes to kernels always, to the XLA path when the final states are wanted
-    ids = jnp.asarray(segment_ids)
-    kwargs.update(segment_ids=packing.segment_index(ids) if kind == "pallas" else ids,
-                  num_segments=spec.num_segments if (output_final_state or kind == "pallas") else None)
-  o, S = fn(q, *args, **kwargs)
-  return o, (S if output_final_state else None)
+    static["num_segments"] = spec.num_segments if (output_final_state or kind == "pallas") else None
+  scale = common.default_scale(scale, spec.key_dim)
+  traced_scale = checking.concrete(scale) is None
+
+  def solve(a, ids):
+    args = (a["q"], a["k"], a["v"]) + ((a["beta"],) if op == "delta_rule" else ())
+    extra = {"k_write": a["k_write"]} if op == "delta_rule" else {"beta": a["beta"]}
+    if ids is not None:
+      extra["segment_ids"] = packing.segment_index(ids) if kind == "pallas" else ids
+    o, S = fn(*args, **extra, log_decay=a["log_decay"], initial_state=a["initial_state"],
+              scale=a["scale"] if traced_scale else scale, **static)
+    return o, (S if output_final_state else None)
+
+  arrays = dict(q=q, k=k, v=v, beta=beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state)
+  if traced_scale:
+    arrays["scale"] = scale
+  ids = None if segment_ids is None else jnp.asarray(segment_ids)
+  if kind != "xla":     # the oracle is the contract of `faults`; the kernels keep it themselves
+    return solve(arrays, ids)
+  return faults.careful(solve, arrays, ids)
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, output_final_state=False,
@@ -55,6 +84,11 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   state after its last token. N must be static: it is initial_state.shape[0] when given, else counted from
   concrete ids; under jax.jit with traced ids and output_final_state=True pass initial_state (zeros are fine).
   Without output_final_state and initial_state N is not needed, so traced ids work under jit as they are.
+  Traced ids are checked (non-decreasing; N segments when initial_state gives N) in checked mode
+  (`osdn_jax.checking`).
+
+  B = 0 or T = 0 gives empty outputs and the initial states (zeros when not given) as the final states. A NaN or
+  inf at token t stays in t's sequence from t on (`faults`; the kernels: from t's chunk on; docs/faults.md).
   """
   spec = checks.check_solve("delta_rule", q, k, v, beta=beta, k_write=k_write, log_decay=log_decay,
                             initial_state=initial_state, scale=scale, chunk_size=chunk_size,
@@ -75,8 +109,8 @@ def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, 
                             log_decay=log_decay, initial_state=initial_state, scale=scale,
                             chunk_size=chunk_size, segment_ids=segment_ids,
                             output_final_state=output_final_state, implementation=implementation)
-  return _run("linear_attention", implementation, spec, segment_ids, output_final_state, q, k, v,
-              beta=beta, log_decay=log_decay, initial_state=initial_state, scale=scale)
+  return _run("linear_attention", implementation, spec, segment_ids, output_final_state, q, k, v, beta,
+              log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
 def _step(online: bool, q, k, v, beta, state, k_write, log_decay, scale):

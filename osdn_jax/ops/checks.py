@@ -6,10 +6,10 @@ that the dispatch hands to the kernels and the implementations read the decay ty
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osdn_jax import checking
 from osdn_jax.ops import dispatch, packing
 from osdn_jax.ops.common import CHUNK_SIZES
 from osdn_jax.ops.dispatch import Spec
@@ -70,18 +70,33 @@ def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool):
   vlay = "[B, HV, V]" if step else "[B, T, HV, V]"
   lead = qs[:-2]
   h, kd = qs[-2:]
-  if len(vs) != rank or vs[:-2] != lead or vs[-2] % h != 0 or vs[-2] == 0:
-    raise _fail(op, "v", f"of shape {vlay} with {lead} leading and HV a multiple of H = {h}",
+  if h == 0 or kd == 0:
+    raise _fail(op, "q", f"of shape {layout} with H ≥ 1 and K ≥ 1", f"shape {qs}")
+  if len(vs) != rank or vs[:-2] != lead or vs[-2] % h != 0 or vs[-2] == 0 or vs[-1] == 0:
+    raise _fail(op, "v", f"of shape {vlay} with {lead} leading, HV a multiple of H = {h} and V ≥ 1",
                 f"shape {vs}")
   _check_float(op, "v", v)
   if jnp.result_type(v) != jnp.result_type(q):
     raise _fail(op, "v", f"of q's dtype {jnp.result_type(q)}", f"dtype {jnp.result_type(v)}")
-  if scale is not None and not np.isscalar(scale) and _shape(scale) != ():
-    raise _fail(op, "scale", "a scalar or None", f"shape {_shape(scale)}")
-  if chunk_size not in CHUNK_SIZES:
-    raise _fail(op, "chunk_size", f"one of {CHUNK_SIZES}", repr(chunk_size))
+  _check_scale(op, scale)
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size not in CHUNK_SIZES:
+    raise _fail(op, "chunk_size", f"an int, one of {CHUNK_SIZES}", repr(chunk_size))
   dispatch.normalize(op, implementation)
   return qs, vs
+
+
+def _check_scale(op, scale) -> None:
+  """scale: None or a real scalar (a Python number or a 0-d real array), finite where its value is known."""
+  if scale is None:
+    return
+  if isinstance(scale, bool) or _shape(scale) != ():
+    raise _fail(op, "scale", "a real scalar or None", f"{scale!r}")
+  dtype = jnp.result_type(scale)
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise _fail(op, "scale", "a real scalar or None", f"{scale!r} of dtype {dtype}")
+  value = checking.concrete(scale)
+  if value is not None and not np.isfinite(value):
+    raise _fail(op, "scale", "finite", repr(float(value)))
 
 
 def _check_state(op, name, state, b, hv, kd, vd, lead_name="B"):
@@ -89,14 +104,6 @@ def _check_state(op, name, state, b, hv, kd, vd, lead_name="B"):
     return
   _check_shape(op, name, state, (b, hv, kd, vd), f"[{lead_name}, HV, K, V]")
   _check_float(op, name, state, allowed=(jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
-
-
-def _concrete(x):
-  """x as a numpy array, or None when it is traced (under jit) and its values are unknown."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
 
 
 def _check_segments(op, segment_ids, initial_state, output_final_state, b, t) -> int | None:
@@ -107,18 +114,36 @@ def _check_segments(op, segment_ids, initial_state, output_final_state, b, t) ->
     raise _fail(op, "segment_ids", f"of shape [B, T] = {(b, t)}", f"shape {_shape(segment_ids)}")
   if not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
     raise _fail(op, "segment_ids", "an integer array", f"dtype {jnp.result_type(segment_ids)}")
-  ids = _concrete(segment_ids)
+  ids = checking.concrete(segment_ids)
   if ids is not None:
     if t > 1 and np.any(ids[:, 1:] < ids[:, :-1]):
-      row = int(np.argmax(np.any(ids[:, 1:] < ids[:, :-1], axis=1)))
-      raise _fail(op, "segment_ids", "non-decreasing along T in each row", f"a decrease in row {row}")
+      row, col = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
+      raise _fail(op, "segment_ids", "non-decreasing along T in each row",
+                  f"a decrease at [{row}, {col + 1}] ({ids[row, col]} → {ids[row, col + 1]})")
     return packing.num_segments(ids)
-  if initial_state is not None and np.ndim(initial_state) >= 1:
-    return _shape(initial_state)[0]
+  n = _shape(initial_state)[0] if initial_state is not None and np.ndim(initial_state) >= 1 else None
+  _require_segments(op, segment_ids, n)
+  if n is not None:
+    return n
   if output_final_state:
     raise ValueError(f"{op}: with traced `segment_ids` the number of segments N is unknown; pass "
                      "`initial_state` of shape [N, HV, K, V] (zeros are fine) so that N is static")
   return None
+
+
+def _require_segments(op, segment_ids, n) -> None:
+  """Checked mode (`osdn_jax.checking`) for traced ids: non-decreasing rows and, when N is given, N segments."""
+  ids = jnp.asarray(segment_ids)
+  if ids.shape[1] > 1:
+    down = ids[:, 1:] < ids[:, :-1]
+    first = jnp.argmax(down.reshape(-1))
+    row, col = first // (ids.shape[1] - 1), first % (ids.shape[1] - 1) + 1
+    checking.require(~jnp.any(down), f"{op}: `segment_ids` must be non-decreasing along T in each row, got a "
+                     "decrease at [{}, {}]", row, col)
+  if n is not None:
+    count = jnp.sum(packing.segment_starts(ids)) if ids.size else jnp.int32(0)
+    checking.require(count == n, f"{op}: `segment_ids` hold {{}} segments but `initial_state` is for N = {n} "
+                     "(its leading axis)", count)
 
 
 def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None, log_decay=None,

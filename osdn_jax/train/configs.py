@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from osdn_jax import dgps
 from osdn_jax.models.config import REMAT_POLICIES, config as model_config
 
 DTYPES = ("float32", "bfloat16")
@@ -145,10 +146,23 @@ def _int(c, field, *, minimum=1):
 def validate(c: ml_collections.ConfigDict) -> None:
   """ValueError naming the field for anything the trainer cannot run. The mesh against the devices and the
   data fields are checked where they are used (`train.mesh`, `osdn_jax.data`)."""
+  if not isinstance(c.model, str):
+    raise ValueError(f"train config: `model` must be a models.config name '<point>-<size>', got {c.model!r}")
   try:
-    model_config(c.model, point_options=tuple(dict(c.point_options).items()))
+    variant = model_config(c.model).variant
   except ValueError as e:
     raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
+  try:
+    options = dict(c.point_options)
+  except (TypeError, ValueError):
+    options = None
+  if options is None or not all(isinstance(k, str) for k in options):
+    raise ValueError("train config: `point_options` must be a mapping of option names to values, got "
+                     f"{c.point_options!r}")
+  try:
+    dgps.get(variant, **options)
+  except ValueError as e:
+    raise ValueError(f"train config: `point_options` of {c.model!r}: {e}") from None
   if c.dtype not in DTYPES:
     raise ValueError(f"train config: `dtype` must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
   if c.remat not in REMAT_POLICIES:

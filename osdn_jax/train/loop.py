@@ -1,5 +1,11 @@
 """The training loop: build the mesh, data, model and optimiser from a config; restore the newest checkpoint in
-the work directory if there is one; step, log, checkpoint; stop on a non-finite loss or gradient norm.
+the work directory if there is one; step, log, checkpoint; stop on a non-finite loss or gradient norm, or on a
+failed check.
+
+The data pipeline checks every batch's token ids on the host (`data.pipeline.check_token_ids`). The step checks
+its batch on the device in checked mode (`step.checked_train_step`: token ids, segment ids); those errors are read
+without blocking, whenever the loop fetches metrics (logging, before a checkpoint is written) and at the end, so
+a failed check stops the run (ValueError naming the step) before a checkpoint holds its result.
 
     metrics = osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")   # the last logged metrics
     result = osdn_jax.train.run(config, workdir)      # also the trained model (result.model)
@@ -22,12 +28,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from osdn_jax import checking, models
 from osdn_jax import data as data_lib
-from osdn_jax import models
+from osdn_jax.data.pipeline import TokenIdError
 from osdn_jax.train import configs, mesh as mesh_lib, optim
 from osdn_jax.train.checkpoints import Checkpoints
 from osdn_jax.train.metrics import Progress, Writer
-from osdn_jax.train.step import graphdef, init_state, make_train_step, segments_bound
+from osdn_jax.train.step import checked_train_step, graphdef, init_state, make_train_step, segments_bound
+
+# Steps whose checks may wait unread; beyond this the oldest are read (long finished: nothing waits in practice).
+MAX_UNREAD_CHECKS = 64
 
 
 class NonFiniteError(FloatingPointError):
@@ -68,16 +78,15 @@ def _rows_per_process(config, mesh) -> int:
   return config.batch_size // processes
 
 
-def check_token_ids(batch: dict, vocab_size: int, step: int) -> None:
-  """ValueError naming the step, row and position of the first id outside [0, vocab_size) in a host batch's
-  tokens or targets (an id out of range would otherwise be clamped or poison the whole row on the device)."""
-  for name in ("tokens", "targets"):
-    ids = np.asarray(batch[name])
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-      row, pos = map(int, np.argwhere(bad)[0])
-      raise ValueError(f"step {step}: `{name}`[{row}, {pos}] = {int(ids[row, pos])} is outside the vocabulary "
-                       f"[0, {vocab_size})")
+def _throw_failed_checks(unread: list, keep: int = 0) -> None:
+  """ValueError "step s: <message>" for the first failed check of unread [(step, checkify.Error)], read oldest
+  first until `keep` remain."""
+  while len(unread) > keep:
+    step, error = unread.pop(0)
+    try:
+      checking.throw(error)
+    except ValueError as e:
+      raise ValueError(f"step {step}: {e}") from None
 
 
 def _global_batch(batch: dict, sharding) -> dict:
@@ -173,9 +182,10 @@ def run(config, workdir) -> TrainResult:
 
   graph = graphdef(cfg)
   batch_sh = mesh_lib.batch_sharding(mesh)
-  step_fn = jax.jit(make_train_step(graph, tx, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,
-                                    schedule=schedule, loss_positions=config.get("loss_positions", 0)),
-                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0,
+  train_step = make_train_step(graph, tx, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,
+                               schedule=schedule, loss_positions=config.get("loss_positions", 0))
+  step_fn = jax.jit(checked_train_step(train_step, cfg.vocab_size), in_shardings=(state_sh, batch_sh),
+                    out_shardings=(NamedSharding(mesh, P()), (state_sh, None)), donate_argnums=0,
                     static_argnums=2)
   diag_fn = jax.jit(lambda params, tokens: nnx.merge(graph, params).diagnostics(tokens))
   if lead:
@@ -186,22 +196,28 @@ def run(config, workdir) -> TrainResult:
   progress = Progress(total=config.steps, initial=start, enabled=lead and config.progress)
   tokens_per_step = config.batch_size * config.seq_len
   last, t0, since = {}, time.perf_counter(), 0
+  unread = []        # [(step, checkify.Error)] of the steps whose checks are not read yet
   try:
     for step in range(start + 1, config.steps + 1):
-      host = next(pipeline)
-      check_token_ids(host, cfg.vocab_size, step)
+      try:
+        host = next(pipeline)
+      except TokenIdError as e:
+        raise TokenIdError(e.name, e.row, e.position, e.value, e.vocab_size, where=f"step {step}") from None
       bound = segments_bound(host["segment_ids"])
       if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
         bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
       batch = _global_batch(host, batch_sh)
       with jax.set_mesh(mesh):
-        state, metrics = step_fn(state, batch, bound)
+        error, (state, metrics) = step_fn(state, batch, bound)
+      unread.append((step, error))
+      _throw_failed_checks(unread, keep=MAX_UNREAD_CHECKS)
       since += 1
       diagnose = config.diagnostics_every and step % config.diagnostics_every == 0
       log = diagnose or (config.log_every and (step % config.log_every == 0 or step == config.steps))
       save = config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps)
       if log or save:
         values = jax.device_get(metrics)
+        _throw_failed_checks(unread)
         _check_finite(step, values, last_good)
       if log:
         elapsed = time.perf_counter() - t0
@@ -220,6 +236,7 @@ def run(config, workdir) -> TrainResult:
       if save:
         ckpt.save(step, state, pipeline.get_state())
         last_good = (step, str(workdir / "checkpoints" / str(step)))
+    _throw_failed_checks(unread)
     ckpt.wait()
   finally:
     progress.close()

@@ -1,4 +1,5 @@
-"""The training state and one optimiser step (forward, backward, optional gradient accumulation, update).
+"""The training state and one optimiser step (forward, backward, optional gradient accumulation, update), and
+the step with its batch checked on the device (`checked_train_step`).
 
 state = {"step": int32 (completed steps), "params": the model's parameters (nested dict, fp32),
          "opt_state": the optimiser's, "rng": uint32 [2] (the run's key data, for stochastic layers)}
@@ -11,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import checkify
 
+from osdn_jax import checking
 from osdn_jax.models import LanguageModel
 from osdn_jax.train.loss import cross_entropy
 
@@ -106,3 +109,38 @@ def make_train_step(graph, tx: optax.GradientTransformation, *, grad_accum: int 
     return new, metrics
 
   return step
+
+
+def batch_checks(batch, vocab_size: int) -> None:
+  """The batch's conditions on traced values, as `checking.require`s (checked mode): tokens and targets in
+  [0, vocab_size), segment_ids non-decreasing along each row. Each message names the first bad position."""
+  for name in ("tokens", "targets"):
+    ids = batch[name]
+    bad = (ids < 0) | (ids >= vocab_size)
+    row, col = jnp.unravel_index(jnp.argmax(bad.reshape(-1)), ids.shape)
+    checking.require(~jnp.any(bad), f"`{name}`[{{}}, {{}}] = {{}} is outside the vocabulary [0, {vocab_size})",
+                     row, col, ids[row, col])
+  seg = batch["segment_ids"]
+  if seg.shape[1] > 1:
+    down = seg[:, 1:] < seg[:, :-1]
+    row, col = jnp.unravel_index(jnp.argmax(down.reshape(-1)), down.shape)
+    checking.require(~jnp.any(down), "`segment_ids` must be non-decreasing along each row, got {} → {} at [{}, {}]",
+                     seg[row, col], seg[row, col + 1], row, col + 1)
+
+
+def checked_train_step(step, vocab_size: int):
+  """A train step (`make_train_step`'s) with its batch checked in checked mode (`osdn_jax.checking`):
+  (state, batch, segments_per_row=None) → (error, (state, metrics)), error the `checkify.Error` of
+  `batch_checks`. Nothing blocks on it: pass it to `checking.throw` once the step's results are fetched anyway.
+
+  The step itself is not checkified: checkify cannot carry an error value into a `shard_map` traced under a
+  context mesh (JAX 0.10: "context mesh ... should match the aval mesh" for the error's `broadcast_in_dim`), and
+  the trainer's solves run under `shard_map` inside `jax.set_mesh`, after the model's own checks (token ids,
+  segment ids). Those checks are no-ops here; `batch_checks` states the same conditions on the step's inputs.
+  """
+  def run(state, batch, segments_per_row=None):
+    new, metrics = step(state, batch, segments_per_row)
+    error, _ = checkify.checkify(batch_checks, errors=checking.ERRORS)(batch, vocab_size)
+    return error, (new, metrics)
+
+  return run
