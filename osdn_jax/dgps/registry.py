@@ -5,8 +5,8 @@ A point runs on *projected* per-token inputs: q, k [B, T, H, K], v [B, T, HV, V]
 asks for (`Point.feature_shapes(dims)`: e.g. the gain's logit b [B, T, HV], the scalar decay's a [B, T, HV]),
 with the parameters of `Point.init_params`. A layer projects the features from its input; a notebook can pass
 random arrays. Every feature and parameter must be given under its name with exactly its shape (no broadcasting:
-a [B, T, 1] decay for [B, T, HV] is a ValueError), and the options are range-checked when the point is built
-(`dgps.checks`).
+a [B, T, 1] decay for [B, T, HV] is a ValueError; names the point does not take are not read), and the options
+are range-checked when the point is built (`dgps.checks`).
 
     point = dgps.get("pgdn")                       # or dgps.compose(decay="scalar", precond="pdn")
     dims = dgps.Dims(heads=4, value_heads=4, key_dim=64, value_dim=64)
