@@ -51,7 +51,7 @@ def _run(op, implementation, spec, segment_ids, output_final_state, q, k, v, bet
   if traced_scale:
     arrays["scale"] = scale
   ids = None if segment_ids is None else jnp.asarray(segment_ids)
-  if kind != "xla":     # the oracle is the contract of `faults`; the kernels keep it themselves
+  if kind != "xla":     # the oracle is the contract of `faults`; the kernels run as they are (docs/faults.md)
     return solve(arrays, ids)
   return faults.careful(solve, arrays, ids)
 
