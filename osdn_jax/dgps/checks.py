@@ -145,3 +145,15 @@ def fixed(owner: str, *, d_init, guard) -> None:
 def dims(owner: str, **sizes) -> None:
   for name, value in sizes.items():
     positive_int(owner, name, value)
+
+
+def option_mapping(owner: str, options) -> dict:
+  """`options` (a mapping, or (name, value) pairs) as a dict of option names to values; ValueError otherwise."""
+  try:
+    out = dict(options)
+  except (TypeError, ValueError):
+    out = None
+  if out is None or not all(isinstance(k, str) for k in out):
+    raise ValueError(f"{owner}: `point_options` must be a mapping or (name, value) pairs of option names and "
+                     f"values, got {options!r}")
+  return out

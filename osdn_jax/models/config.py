@@ -98,13 +98,7 @@ class ModelConfig:
       raise ValueError(f"ModelConfig: `remat` must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
     if not isinstance(self.name, str):
       raise ValueError(f"ModelConfig: `name` must be a str, got {self.name!r}")
-    try:
-      options = dict(self.point_options)
-    except (TypeError, ValueError):
-      options = None
-    if options is None or not all(isinstance(k, str) for k in options):
-      raise ValueError("ModelConfig: `point_options` must be a mapping or (name, value) pairs of option names and "
-                       f"values, got {self.point_options!r}")
+    options = dgps.checks.option_mapping("ModelConfig", self.point_options)
     object.__setattr__(self, "point_options", tuple(sorted(options.items())))
     try:
       self.point  # unknown or out-of-range options raise here, naming them

@@ -152,13 +152,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     variant = model_config(c.model).variant
   except ValueError as e:
     raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
-  try:
-    options = dict(c.point_options)
-  except (TypeError, ValueError):
-    options = None
-  if options is None or not all(isinstance(k, str) for k in options):
-    raise ValueError("train config: `point_options` must be a mapping of option names to values, got "
-                     f"{c.point_options!r}")
+  options = dgps.checks.option_mapping("train config", c.point_options)
   try:
     dgps.get(variant, **options)
   except ValueError as e:
