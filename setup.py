@@ -7,6 +7,10 @@ EXTRAS = {
     "test": ["pytest", "pytest-xdist", "hypothesis", "chex", "nbclient", "nbformat", "ipykernel"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+# libtpu at the version the installed jax pins, for compiling TPU programs on a Linux x86-64 host without a TPU
+# (osdn_jax.train.aot; its wheels exist for that platform only). Not in "all": with libtpu installed, JAX probes
+# for a TPU at start-up on every machine whose JAX_PLATFORMS does not rule it out.
+EXTRAS["tpu-aot"] = ["jax[tpu]; platform_system == 'Linux' and platform_machine == 'x86_64'"]
 
 setup(
     name="osdn-jax",

@@ -73,7 +73,9 @@ def test_bad_configs_name_the_field(field, value, match):
 def test_mesh_and_head_errors():
   with pytest.raises(ValueError, match="must equal the number of devices"):
     mesh_lib.axis_sizes({"data": 3, "fsdp": 1, "tensor": 1}, 1)
-  assert mesh_lib.axis_sizes({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert mesh_lib.axis_sizes({"data": -1, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "context": 1,
+                                                                          "tensor": 2}
+  assert mesh_lib.axis_sizes({"data": 1, "fsdp": 2, "context": -1, "tensor": 1}, 8)["context"] == 4
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
   mesh_lib.check_heads(models.config("gdn-tiny"), mesh)
   with pytest.raises(ValueError, match="unknown `config`"):

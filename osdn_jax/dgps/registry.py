@@ -27,6 +27,7 @@ from osdn_jax.dgps import decay as decay_fns
 from osdn_jax.dgps import gain as gain_fns
 from osdn_jax.dgps import precond as precond_fns
 from osdn_jax.dgps import solve as solve_fns
+from osdn_jax.ops import context as context_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,15 +328,24 @@ class Point:
                 q_tilde=written.get("q_tilde"), precond_state=p_state)
 
   def __call__(self, q, k, v, features, params, *, state=None, output_final_state=False, scale=None,
-               chunk_size=64, segment_ids=None, implementation="auto"):
+               chunk_size=64, segment_ids=None, implementation="auto", context=None):
     """Runs the point. state: None or {"S": [B, HV, K, V], "precond": [B, G, K] or None}.
 
     Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). `implementation` ("auto" | "reference" |
     "xla" | "pallas"; "naive" is an alias of "reference") runs the preconditioner's pass and the solve:
     "reference" runs every axis token-serially (the point's own reference composition). With segment_ids [B, T]
     every state restarts at each segment start and the states are per segment ([N, ...] instead of [B, ...]).
+
+    context: None, or the name of a mesh axis that splits T, inside `jax.shard_map` (context parallelism,
+    `osdn_jax.ops.context`): the per-token arrays (and segment_ids) are this shard's tokens, `state` and the
+    returned final states are the whole rows' (packed: pass state["S"] [N, ...] so that N is static). The
+    solve's state and the PDN/ATQ second moment pass between the shards as affine maps, OSDN's d as a ring
+    (`ops.context`).
     """
     state = state or {}
+    if context is not None:
+      return self._context_call(q, k, v, features, params, state, output_final_state, scale, chunk_size,
+                                segment_ids, implementation, context)
     x = self.prepare(q, k, v, features, params, precond_state=state.get("precond"),
                      implementation=implementation, segment_ids=segment_ids)
     o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
@@ -343,6 +353,36 @@ class Point:
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
                            segment_ids=segment_ids, implementation=implementation)
     return o, ({"S": S, "precond": x["precond_state"]} if output_final_state else None)
+
+  def _context_call(self, q, k, v, features, params, state, output_final_state, scale, chunk_size, segment_ids,
+                    implementation, context):
+    if self.precond == "exact":
+      raise ValueError(f"DGPS point {self.name!r}: precond 'exact' (a token-serial reference) does not run "
+                       "context-parallel")
+    b = v.shape[0]
+    whole = state.get("S"), state.get("precond")
+    n = b if segment_ids is None else next((s.shape[0] for s in whole if s is not None), None)
+    p_init = p_whole = None
+    if self.stateful_precond:
+      self.check_inputs(q, v, features, params)
+      dims = Dims(q.shape[2], v.shape[2], q.shape[3], v.shape[3])
+      ct = jnp.promote_types(jnp.float32, q.dtype)
+      sh = context_ops.shards(context, b, segment_ids, n)
+      p_whole = self.initial_state(n, dims, ct)["precond"] if whole[1] is None else whole[1]
+      run = lambda init: self.prepare(q, k, v, features, params, precond_state=init,
+                                      implementation=implementation, segment_ids=segment_ids)["precond_state"]
+      carry = context_ops.carry_diagonal if self.precond in ("pdn", "atq") else context_ops.carry
+      p_init = carry(run, p_whole, sh)
+    x = self.prepare(q, k, v, features, params, precond_state=p_init, implementation=implementation,
+                     segment_ids=segment_ids)
+    o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
+                           q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=whole[0],
+                           output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
+                           segment_ids=segment_ids, implementation=implementation, context=context)
+    if not output_final_state:
+      return o, None
+    p_final = None if p_init is None else context_ops.whole_finals(x["precond_state"], p_whole, sh)
+    return o, {"S": S, "precond": p_final}
 
   def step(self, q, k, v, features, params, state, *, scale=None):
     """One token for decoding: q, k [B, H, K], v [B, HV, V], features per token without T; state as in

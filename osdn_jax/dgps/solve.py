@@ -6,18 +6,24 @@ k_write (default k); the offline one reads with q_tilde (default q) and takes β
 from __future__ import annotations
 
 from osdn_jax import ops
+from osdn_jax.ops import context as context_ops
 
 KINDS = ("online", "offline")
 
 
 def solve(kind, q, k, v, beta=None, *, k_write=None, q_tilde=None, log_decay=None, initial_state=None,
-          output_final_state=False, scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+          output_final_state=False, scale=None, chunk_size=64, segment_ids=None, implementation="auto",
+          context=None):
+  """context: None, or the mesh axis that splits T (inside `jax.shard_map`; `osdn_jax.ops.context`)."""
   common = dict(log_decay=log_decay, initial_state=initial_state, output_final_state=output_final_state,
                 scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, implementation=implementation)
+  lib = ops if context is None else context_ops
+  if context is not None:
+    common["axis_name"] = context
   if kind == "online":
-    return ops.delta_rule(q, k, v, beta, k_write=k_write, **common)
+    return lib.delta_rule(q, k, v, beta, k_write=k_write, **common)
   if kind == "offline":
-    return ops.linear_attention(q if q_tilde is None else q_tilde, k, v, beta=beta, **common)
+    return lib.linear_attention(q if q_tilde is None else q_tilde, k, v, beta=beta, **common)
   raise ValueError(f"solve: `kind` must be one of {KINDS}, got {kind!r}")
 
 

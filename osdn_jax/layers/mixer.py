@@ -231,19 +231,21 @@ class DGPSMixer(nnx.Module):
     params = _values(self.point_params)
     dims = cfg.dims
 
-    def run(q, k, v, f, p, seg):
+    def run(q, k, v, f, p, seg, context=None):
       st = state
       if seg is not None and segments_per_row and st is None:
         st = {"S": jnp.zeros((q.shape[0] * segments_per_row, v.shape[2], k.shape[3], v.shape[3]), jnp.float32)}
       return cfg.point(q, k, v, f, p, state=st, output_final_state=return_cache, chunk_size=cfg.chunk_size,
-                       segment_ids=seg, implementation=cfg.implementation)
+                       segment_ids=seg, implementation=cfg.implementation, context=context)
 
     mesh = sharding.context_mesh()
     if mesh is None or state is not None or return_cache:
       return run(q, k, v, features, params, segment_ids)
     sharding.check_divisible(mesh, batch=q.shape[0], heads=dims.heads, value_heads=dims.value_heads,
-                             owner="DGPSMixer")
-    solve = lambda tokens, p, seg: run(*tokens, p, seg)[0]
+                             length=q.shape[1], owner="DGPSMixer")
+    if sharding.context_axis(mesh) and segment_ids is not None and not segments_per_row:
+      raise ValueError("DGPSMixer: context parallelism with `segment_ids` needs `segments_per_row` (N static)")
+    solve = lambda tokens, p, seg, context: run(*tokens, p, seg, context)[0]
     return sharding.shard_solve(solve, mesh, (q, k, v, features), params, segment_ids), None
 
   # -- public ---------------------------------------------------------------------------------------------

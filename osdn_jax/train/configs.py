@@ -21,7 +21,8 @@ Fields (every one overridable from the command line):
                 the last step is always logged, and checkpointed unless checkpoint_every is 0)
   keep_checkpoints, async_checkpoint, seed, progress
   optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr), b1, b2, eps, weight_decay, clip
-  mesh          data, fsdp, tensor: device counts per axis; one of them may be -1 (the rest of the devices)
+  mesh          data, fsdp, context, tensor: device counts per axis; one of them may be -1 (the rest of the
+                devices). context > 1 splits every row's positions (context parallelism; it divides seq_len)
   data          `osdn_jax.data.make_pipeline`'s fields: source, tokenizer, vocab_size, text_dir, split,
                 block_chars, num_records, mqar_pairs, mqar_power, mqar_reads, passkey_depth, passkey_digits,
                 prefetch
@@ -59,7 +60,7 @@ def base() -> ml_collections.ConfigDict:
   c.progress = True
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip=1.0))
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
   c.data = ml_collections.ConfigDict(dict(
       source="text", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
       num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0, passkey_digits=5,
@@ -178,12 +179,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if o.warmup_steps >= c.steps:
     raise ValueError(f"train config: `optimizer.warmup_steps` ({o.warmup_steps}) must be below `steps` "
                      f"({c.steps})")
-  for field in ("data", "fsdp", "tensor"):
-    size = c.mesh[field]
+  axes = ("data", "fsdp", "context", "tensor")
+  for field in axes:
+    size = c.mesh.get(field, 1)
     if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
       raise ValueError(f"train config: `mesh.{field}` must be a positive int or -1, got {size!r}")
-  if [c.mesh[a] for a in ("data", "fsdp", "tensor")].count(-1) > 1:
-    raise ValueError("train config: at most one of `mesh.data`, `mesh.fsdp`, `mesh.tensor` may be -1")
+  if [c.mesh.get(a, 1) for a in axes].count(-1) > 1:
+    raise ValueError("train config: at most one of `mesh.data`, `mesh.fsdp`, `mesh.context`, `mesh.tensor` may "
+                     "be -1")
   if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
     raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
                      f"got {c.implementation!r}")

@@ -63,9 +63,24 @@ def model_config(config, vocab_size: int) -> models.ModelConfig:
                        point_options=tuple(dict(config.get("point_options", {})).items()))
 
 
+def _data_shard(config, mesh) -> tuple[int, int, int]:
+  """(index, count, rows): this process's shard of the data (`data.make_pipeline`'s process_index and
+  process_count) and the rows of the global batch it reads. A process reads the rows its devices hold: processes
+  holding the same rows (the batch whole over an axis split across processes: tensor, context) read the same
+  shard, the others disjoint ones."""
+  shape = (config.batch_size, config.seq_len)
+  held = {}
+  for device, index in mesh_lib.batch_sharding(mesh).devices_indices_map(shape).items():
+    held.setdefault(device.process_index, set()).add(index[0].indices(shape[0])[:2])
+  if jax.process_index() not in held:
+    raise ValueError(f"train: process {jax.process_index()} holds none of the mesh's devices")
+  shards = sorted({tuple(sorted(spans)) for spans in held.values()})
+  mine = tuple(sorted(held[jax.process_index()]))
+  return shards.index(mine), len(shards), sum(stop - start for start, stop in mine)
+
+
 def _rows_per_process(config, mesh) -> int:
-  processes = jax.process_count()
-  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  split = math.prod(mesh.shape[a] for a in mesh_lib.BATCH)
   if config.batch_size % split:
     raise ValueError(f"train config: `batch_size` ({config.batch_size}) must be a multiple of the mesh's "
                      f"data × fsdp size ({split})")
@@ -73,9 +88,7 @@ def _rows_per_process(config, mesh) -> int:
     raise ValueError(f"train config: the microbatch (`batch_size` / `grad_accum` = "
                      f"{config.batch_size // config.grad_accum} rows) must be a multiple of the mesh's "
                      f"data × fsdp size ({split})")
-  if config.batch_size % processes:
-    raise ValueError(f"train config: `batch_size` ({config.batch_size}) must split over {processes} processes")
-  return config.batch_size // processes
+  return _data_shard(config, mesh)[2]
 
 
 def _throw_failed_checks(unread: list, keep: int = 0) -> None:
@@ -89,8 +102,10 @@ def _throw_failed_checks(unread: list, keep: int = 0) -> None:
       raise ValueError(f"step {step}: {e}") from None
 
 
-def _global_batch(batch: dict, sharding) -> dict:
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+def _global_batch(batch: dict, sharding, global_shape=None) -> dict:
+  """The global batch from this process's rows (`_data_shard`); global_shape: [B, T] of every array (needed
+  when an axis split across processes splits the positions)."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape) for k, v in batch.items()}
 
 
 def _shard_state(abstract, mesh):
@@ -155,10 +170,12 @@ def run(config, workdir) -> TrainResult:
   lead = jax.process_index() == 0
   mesh = mesh_lib.make_mesh(config.mesh)
   rows = _rows_per_process(config, mesh)
+  shard, shards, _ = _data_shard(config, mesh)
   pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=rows, seed=config.seed,
-                                    process_index=jax.process_index(), process_count=jax.process_count())
+                                    process_index=shard, process_count=shards)
   cfg = model_config(config, pipeline.vocab_size)
   mesh_lib.check_heads(cfg, mesh)
+  mesh_lib.check_length(config.seq_len, mesh)
   if lead:
     (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
   tx = optim.make(config.optimizer, config.steps)
@@ -206,7 +223,7 @@ def run(config, workdir) -> TrainResult:
       bound = segments_bound(host["segment_ids"])
       if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
         bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
-      batch = _global_batch(host, batch_sh)
+      batch = _global_batch(host, batch_sh, (config.batch_size, config.seq_len))
       with jax.set_mesh(mesh):
         error, (state, metrics) = step_fn(state, batch, bound)
       unread.append((step, error))

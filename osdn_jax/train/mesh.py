@@ -2,8 +2,10 @@
 
 Mesh axes (`config.mesh`): "data" (pure data parallelism: parameters replicated), "fsdp" (data parallelism with
 parameters, gradients and optimiser state split: each device keeps 1/fsdp of every large matrix and XLA gathers
-it for the matmul), "tensor" (heads and the MLP's hidden units split; the recurrence runs under `shard_map`
-per head group, `osdn_jax.layers.sharding`). A batch splits its rows over data × fsdp.
+it for the matmul), "context" (the positions of every row split: context parallelism, parameters replicated; the
+recurrence passes its state between the shards, `osdn_jax.ops.context`), "tensor" (heads and the MLP's hidden
+units split; the recurrence runs under `shard_map` per head group, `osdn_jax.layers.sharding`). A batch splits
+its rows over data × fsdp and its positions over context.
 
 Parameter rules, by the parameter's path (leading layer axis L of the stacked blocks left whole):
   embed [vocab, D]                       vocab over tensor, D over fsdp
@@ -23,8 +25,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")
 BATCH = ("data", "fsdp")
+CONTEXT = "context"
 
 # (pattern on the "/"-joined path, spec of the trailing dims); the first match wins.
 RULES = (
@@ -38,9 +41,9 @@ RULES = (
 
 
 def axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
-  """{"data", "fsdp", "tensor"} sizes with a −1 resolved to the rest of the devices; ValueError if they do not
-  multiply to num_devices."""
-  sizes = {a: mesh_cfg[a] for a in AXES}
+  """{"data", "fsdp", "context", "tensor"} sizes (an axis not in mesh_cfg is 1) with a −1 resolved to the rest
+  of the devices; ValueError if they do not multiply to num_devices."""
+  sizes = {a: mesh_cfg.get(a, 1) for a in AXES}
   known = math.prod(s for s in sizes.values() if s != -1)
   for a, s in sizes.items():
     if s == -1:
@@ -49,8 +52,8 @@ def axis_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
                          f"axes' {known}")
       sizes[a] = num_devices // known
   if math.prod(sizes.values()) != num_devices:
-    raise ValueError(f"train config: `mesh` data × fsdp × tensor = {sizes['data']} × {sizes['fsdp']} × "
-                     f"{sizes['tensor']} must equal the number of devices ({num_devices})")
+    raise ValueError(f"train config: `mesh` data × fsdp × context × tensor = {sizes['data']} × {sizes['fsdp']} "
+                     f"× {sizes['context']} × {sizes['tensor']} must equal the number of devices ({num_devices})")
   return sizes
 
 
@@ -110,5 +113,12 @@ def check_heads(model_cfg, mesh: Mesh) -> None:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Rows over data × fsdp, positions whole: for every [rows, T] array of a batch."""
-  return NamedSharding(mesh, P(BATCH, None))
+  """Rows over data × fsdp, positions over context: for every [rows, T] array of a batch."""
+  return NamedSharding(mesh, P(BATCH, CONTEXT if CONTEXT in mesh.axis_names else None))
+
+
+def check_length(seq_len: int, mesh: Mesh) -> None:
+  """ValueError unless the context axis splits the sequence length."""
+  parts = mesh.shape.get(CONTEXT, 1)
+  if seq_len % parts:
+    raise ValueError(f"train config: `mesh.context` ({parts}) must divide `seq_len` ({seq_len})")
