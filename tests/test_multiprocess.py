@@ -93,7 +93,7 @@ _ONE_PROCESS = textwrap.dedent("""
           p.close()
 
     loop.data_lib.make_pipeline = BothShards
-    cli.app.run(cli.main, argv=cli._named_configs(sys.argv))
+    cli.app.run(cli.main, argv=cli.configs.flag_args(sys.argv))
 """)
 
 

@@ -83,10 +83,10 @@ def test_mesh_and_head_errors():
 
 
 def test_named_config_flag_becomes_the_config_file():
-  argv = cli._named_configs(["prog", "--config=tiny", "--workdir=x", "--config.steps=3", "--config", "340m"])
+  argv = cli.configs.flag_args(["prog", "--config=tiny", "--workdir=x", "--config.steps=3", "--config", "340m"])
   assert argv[1] == f"--config={configs.__file__}:tiny" and argv[2:4] == ["--workdir=x", "--config.steps=3"]
   assert argv[5] == f"{configs.__file__}:340m"
-  assert cli._named_configs(["prog", "--config=my.py:x"])[1] == "--config=my.py:x"
+  assert cli.configs.flag_args(["prog", "--config=my.py:x"])[1] == "--config=my.py:x"
 
 
 # -- optimiser ---------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ environment (SLURM, TPU pods, Open MPI, ...); with --coordinator_address=HOST:PO
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 import traceback
 
@@ -34,19 +33,6 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run", lower_bound=1)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", lower_bound=0)
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def _named_configs(argv: list[str]) -> list[str]:
-  """--config=NAME → --config=<this package's configs.py>:NAME, for the names in `configs.CONFIGS`."""
-  path = pathlib.Path(configs.__file__)
-  out = []
-  for i, arg in enumerate(argv):
-    if arg.startswith("--config=") and arg.split("=", 1)[1] in configs.CONFIGS:
-      arg = f"--config={path}:{arg.split('=', 1)[1]}"
-    elif i and argv[i - 1] == "--config" and arg in configs.CONFIGS:
-      arg = f"{path}:{arg}"
-    out.append(arg)
-  return out
 
 
 def distributed_args(coordinator_address, num_processes, process_id) -> dict | None:
@@ -85,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, argv=_named_configs(sys.argv))
+  app.run(main, argv=configs.flag_args(sys.argv))

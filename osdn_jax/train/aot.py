@@ -208,19 +208,6 @@ def table(report: dict) -> str:
   return "\n".join(lines)
 
 
-def _named_configs(argv: list[str]) -> list[str]:
-  """--config=NAME → --config=<configs.py>:NAME for the names in `configs.CONFIGS` (as the trainer's CLI)."""
-  path = pathlib.Path(configs.__file__)
-  out = []
-  for i, arg in enumerate(argv):
-    if arg.startswith("--config=") and arg.split("=", 1)[1] in configs.CONFIGS:
-      arg = f"--config={path}:{arg.split('=', 1)[1]}"
-    elif i and argv[i - 1] == "--config" and arg in configs.CONFIGS:
-      arg = f"{path}:{arg}"
-    out.append(arg)
-  return out
-
-
 def main() -> None:
   from absl import app, flags
   from ml_collections import config_flags
@@ -245,7 +232,7 @@ def main() -> None:
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_text(json.dumps(report, indent=2) + "\n")
 
-  app.run(run, argv=_named_configs(sys.argv))
+  app.run(run, argv=configs.flag_args(sys.argv))
 
 
 if __name__ == "__main__":

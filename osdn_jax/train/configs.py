@@ -29,6 +29,8 @@ Fields (every one overridable from the command line):
 """
 from __future__ import annotations
 
+import pathlib
+
 import ml_collections
 
 from osdn_jax import dgps
@@ -190,3 +192,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
     raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
                      f"got {c.implementation!r}")
+
+
+def flag_args(argv: list[str]) -> list[str]:
+  """Command-line args with --config=NAME (a name of `CONFIGS`) made --config=<this file>:NAME, the form
+  ml_collections' config flag reads; other args unchanged."""
+  path = pathlib.Path(__file__)
+  out = []
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config=") and arg.split("=", 1)[1] in CONFIGS:
+      arg = f"--config={path}:{arg.split('=', 1)[1]}"
+    elif i and argv[i - 1] == "--config" and arg in CONFIGS:
+      arg = f"{path}:{arg}"
+    out.append(arg)
+  return out
