@@ -1,10 +1,10 @@
 """Pallas kernels for the chunkwise solves and the preconditioners' first passes.
 
-A backend module (`pallas_kernels.gpu`; a TPU backend would sit beside it) registers, per op, a function with the
-signature of the op's XLA implementation and a predicate `supports(spec)` over the typed request
-(`pallas_kernels.spec.Spec`). `lookup(spec)` returns the first registered kernel that supports the request, or
-None: `implementation="auto"` then falls back to XLA and `implementation="pallas"` raises (`osdn_jax.ops.dispatch`,
-the one place the library reaches the kernels). Nothing here imports `osdn_jax`.
+A backend module (`pallas_kernels.gpu`, `pallas_kernels.tpu`) registers, per op, a function with the signature of
+the op's XLA implementation and a predicate `supports(spec)` over the typed request (`pallas_kernels.spec.Spec`).
+`lookup(spec)` returns the first registered kernel that supports the request, or None: `implementation="auto"` then
+falls back to XLA and `implementation="pallas"` raises (`osdn_jax.ops.dispatch`, the one place the library reaches
+the kernels). Nothing here imports `osdn_jax`.
 
 The backends are imported lazily, on the first `lookup`: importing this package pulls in nothing beyond the
 standard library.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from pallas_kernels.spec import Spec
 
-_BACKENDS = ("pallas_kernels.gpu",)
+_BACKENDS = ("pallas_kernels.gpu", "pallas_kernels.tpu")
 _loaded = False
 
 

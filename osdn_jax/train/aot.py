@@ -10,8 +10,9 @@ compiled by TPU's XLA, so no array of the model is ever allocated. The report: p
 (`compiled.memory_analysis()`) against the chip's HBM, and the step's collectives (`train.collectives`).
 
 Topologies: "<chip>:<shape>" with chip v4, v5p (3-D shapes, e.g. 4x4x4) or v5e, v6e (2-D, e.g. 16x16); one
-device per chip (v4 and v5p as megacores). The solve's implementation: "auto" compiles as "xla", which is what
-auto chooses on a TPU backend (no Pallas kernel supports platform "tpu"); "pallas" is refused.
+device per chip (v4 and v5p as megacores). The implementation: "auto" compiles as "xla" (on a TPU backend auto
+would pick the solve's XLA path too, having no TPU kernel for it, but the PDN/ATQ second moment's TPU kernel);
+"pallas" is refused.
 """
 from __future__ import annotations
 

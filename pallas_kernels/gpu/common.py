@@ -16,6 +16,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gpu import chunk_math
 from pallas_kernels.spec import next_pow2
+from pallas_kernels.arrays import pad_axis  # noqa: F401  (re-exported for the kernels' wrappers)
 
 # JAX ≤ 0.4.3x called the class TritonCompilerParams; 0.10 and 0.11 call it CompilerParams.
 _TRITON_PARAMS = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
@@ -26,15 +27,6 @@ MAX_DIM = 256                                 # largest K and V (after padding) 
 def padded_dim(d: int) -> int:
   """The power of two ≥ max(d, 16) that K or V is padded to (Triton dots need every dim ≥ 16)."""
   return next_pow2(d, 16)
-
-
-def pad_axis(x, axis: int, size: int):
-  """x zero-padded at the end of `axis` to `size`."""
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
 
 
 def default_interpret(interpret: bool | None) -> bool:

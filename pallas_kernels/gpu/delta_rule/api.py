@@ -24,6 +24,7 @@ from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuri
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 from pallas_kernels.gpu.delta_rule.layout import Static
 from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
+from pallas_kernels.arrays import scale_parts
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -135,16 +136,6 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   return packed.from_row(o, pos, b, t)[..., :vd], S[:, :, :kd, :vd]
 
 
-def _static_scale(scale, key_dim):
-  """(python float, None) for a concrete scale; (None, array) for a traced one."""
-  if scale is None:
-    return key_dim ** -0.5, None
-  try:
-    return float(scale), None
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return None, jnp.asarray(scale, jnp.float32)
-
-
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
                segment_ids=None, num_segments=None, config: Config = DEFAULT, interpret: bool | None = None,
                bf16_matmuls: bool = True):
@@ -179,7 +170,7 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   chunk = heuristics.chunk(config, decay, chunk_size, dtype=jnp.dtype(q.dtype).name, kdim=padded_dim(q.shape[-1]),
                            lanes=rows * v.shape[2], vdim=padded_dim(v.shape[-1]))
   forward_chunk = heuristics.forward_chunk(config, decay, chunk_size, chunk, segment_ids is not None)
-  static_scale, scale_arr = _static_scale(scale, q.shape[-1])
+  static_scale, scale_arr = scale_parts(scale, q.shape[-1])
   return _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids,
                      scale=static_scale, chunk_size=chunk, forward_chunk=forward_chunk, config=config,
                      interpret=default_interpret(interpret), low_precision=bf16_matmuls,

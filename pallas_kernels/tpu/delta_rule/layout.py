@@ -1,0 +1,132 @@
+"""Array layouts, padding and BlockSpecs of the TPU delta-rule forward, and the interpret-mode switch.
+
+The grid is (B, HV, V / BV, NC): one program per batch row, value head and block of BV value columns, the chunk
+axis innermost (sequential, the state carried in VMEM). Mosaic takes a block whose last two dims are multiples
+of (8, 128) or the array's whole dims, so:
+
+* q, k, k_write, v, o and per-channel log-decays ("tokens" layout): [B, T, heads · D], a block being one chunk of
+  one head, [C, D] with D a multiple of 128. That is the layout of a projection's output, so inside a model the
+  reshape from [B, T, heads, D] costs nothing; an array that arrives tiled over (heads, D) is relaid out by XLA.
+  "head_major" layout: [B, heads, T, D] (a transpose in XLA), a block [C, D] for any D.
+* β and the scalar decay's in-chunk cumulative log-decay G, [B, HV, T] fp32, enter stacked as rows,
+  [B, HV, NC, R, C] with R = 1 (β) or 2 (β, G): a block [R, C] holds the chunk's values along lanes.
+* states [B, HV, K, V]: a block [K, BV], the same for every chunk of a program.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from pallas_kernels.arrays import pad_axis  # noqa: F401  (re-exported for the kernels' wrappers)
+
+SQUEEZED = getattr(pl, "squeezed", None)     # a squeezed block dim (None in older JAX)
+LANES = 128
+_0 = np.int32(0)     # block index 0 (a Python 0 would be an int64 index with x64 enabled, which Mosaic rejects)
+
+
+def padded_dim(d: int) -> int:
+  """K or V after padding: the power of two ≥ max(d, 16) up to 128, else the multiple of 128 ≥ d."""
+  if d > LANES:
+    return -(-d // LANES) * LANES
+  p = 16
+  while p < d:
+    p *= 2
+  return p
+
+
+def interpret_mode(interpret: bool):
+  """The `interpret` argument of `pallas_call`: False compiles with Mosaic; True runs the TPU interpreter with
+  race detection where this JAX has it (`pltpu.InterpretParams`), else the generic interpreter."""
+  if not interpret:
+    return False
+  params = getattr(pltpu, "InterpretParams", None)
+  if params is None:
+    return True
+  try:
+    return params(detect_races=True)
+  except TypeError:
+    return params()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static sizes of one launch (padded T, K, V) and the choice of token layout."""
+  batch: int
+  length: int          # T padded to a multiple of chunk
+  heads: int           # H (key heads of q and k)
+  kw_heads: int        # heads of k_write (H or HV)
+  value_heads: int     # HV
+  key_dim: int         # padded K
+  value_dim: int       # padded V
+  block_v: int
+  chunk: int
+  head_major: bool
+
+  @property
+  def num_chunks(self) -> int:
+    return self.length // self.chunk
+
+  @property
+  def num_v(self) -> int:
+    return self.value_dim // self.block_v
+
+  @property
+  def grid(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.value_heads, self.num_v, self.num_chunks)
+
+  def head_of(self, heads: int):
+    """Value head h → the head of an array with `heads` heads (GVA: h // (HV / heads)). lax.div truncates, which
+    is the floor for h ≥ 0; `//` would emit a sign correction whose Mosaic lowering asks the default device for
+    its TPU generation (a CPU when compiling ahead of time)."""
+    group = np.int32(self.value_heads // heads)
+    return (lambda h: h) if group == 1 else (lambda h: lax.div(h, group))
+
+  # Token arrays -------------------------------------------------------------------------------------------
+  def tokens_in(self, x):
+    """[B, T, heads, D] (T, D padded) → the kernel's view of it."""
+    if self.head_major:
+      return jnp.swapaxes(x, 1, 2)
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+  def key_spec(self, heads: int):
+    """A [C, K] block of q, k or k_write (`heads` heads) at chunk c of value head h."""
+    head, kd = self.head_of(heads), self.key_dim
+    if self.head_major:
+      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, kd), lambda b, h, j, c: (b, head(h), c, _0))
+    return pl.BlockSpec((SQUEEZED, self.chunk, kd), lambda b, h, j, c: (b, c, head(h)))
+
+  def value_spec(self):
+    """A [C, BV] block of v or o at chunk c, value head h, value block j."""
+    bv, nv = self.block_v, self.num_v
+    if self.head_major:
+      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, bv), lambda b, h, j, c: (b, h, c, j))
+    return pl.BlockSpec((SQUEEZED, self.chunk, bv), lambda b, h, j, c: (b, c, h * nv + j))
+
+  def output_shape(self):
+    b, t, hv, vd = self.batch, self.length, self.value_heads, self.value_dim
+    return (b, hv, t, vd) if self.head_major else (b, t, hv * vd)
+
+  def tokens_out(self, o):
+    """The kernel's o → [B, T, HV, V] (padded)."""
+    if self.head_major:
+      return jnp.swapaxes(o, 1, 2)
+    return o.reshape(self.batch, self.length, self.value_heads, self.value_dim)
+
+  # Per-token scalars ------------------------------------------------------------------------------------
+  def gates(self, x):
+    """[B, HV, R, T] → [B, HV, NC, R, C]."""
+    r = x.shape[2]
+    x = x.reshape(self.batch, self.value_heads, r, self.num_chunks, self.chunk)
+    return jnp.swapaxes(x, 2, 3)
+
+  def gates_spec(self, r: int):
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, r, self.chunk), lambda b, h, j, c: (b, h, c, _0, _0))
+
+  # States -----------------------------------------------------------------------------------------------
+  def state_spec(self):
+    """The [K, BV] block of S0 or S_T of a program: one block for all of its chunks."""
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, self.key_dim, self.block_v), lambda b, h, j, c: (b, h, _0, j))
