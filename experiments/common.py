@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from osdn_jax import data as data_lib
 from osdn_jax import dgps, train
 from osdn_jax.data import IGNORE
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
@@ -92,6 +93,17 @@ def _score(graph, state, tokens, labels, positions):
   hidden = jnp.take_along_axis(model.hidden(tokens), at[..., None], axis=1)
   logits = jnp.einsum("bpd,vd->bpv", hidden, model.embed[...].astype(hidden.dtype))
   return jnp.argmax(logits, -1) == jnp.take_along_axis(labels, at, axis=1), jnp.take_along_axis(mask, at, axis=1)
+
+
+def validation_tokens(config, rows: int):
+  """tokens [rows, config.seq_len] of the text corpus's validation split (one fixed draw) for trainer config
+  `config` (its data settings: tokenizer, vocabulary)."""
+  pipe = data_lib.make_pipeline(dict(config.data, split="validation", prefetch=0), seq_len=config.seq_len,
+                                batch_size=rows, seed=12345)
+  try:
+    return next(pipe)["tokens"]
+  finally:
+    pipe.close()
 
 
 def last_logged(workdir, key: str):

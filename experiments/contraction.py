@@ -21,7 +21,6 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common, lm, mqar
-from osdn_jax import data as data_lib
 
 FLAGS = flags.FLAGS
 
@@ -35,13 +34,7 @@ class Contraction:
 
 def text_diagnostics(result, config, rows: int = 8) -> dict:
   """Per-layer diagnostics on `rows` validation rows (each from the zero state; recall over every position)."""
-  pipe = data_lib.make_pipeline(dict(config.data, split="validation", prefetch=0), seq_len=config.seq_len,
-                                batch_size=rows, seed=12345)
-  try:
-    tokens = next(pipe)["tokens"]
-  finally:
-    pipe.close()
-  return common.layer_diagnostics(result.model, tokens)
+  return common.layer_diagnostics(result.model, common.validation_tokens(config, rows))
 
 
 def run(spec: Contraction, out_dir) -> list[dict]:

@@ -37,7 +37,8 @@ def _run(module: str, out: pathlib.Path, cache: str, *args: str) -> subprocess.C
 
 @pytest.mark.parametrize("name", ["mqar", "demo", "recall", "passkey",
                                   pytest.param("lm", marks=needs_corpus),
-                                  pytest.param("contraction", marks=needs_corpus)])
+                                  pytest.param("contraction", marks=needs_corpus),
+                                  pytest.param("clip", marks=needs_corpus)])
 def test_cli_smoke(name, tmp_path, compilation_cache):
   """`python -m experiments.NAME --smoke` writes NAME.json (with the command that reruns it), NAME.md (a table
   with a row per variant) and a PNG."""
@@ -46,10 +47,15 @@ def test_cli_smoke(name, tmp_path, compilation_cache):
   assert payload["command"].startswith(f"python -m experiments.{name}")
   assert {"device", "jax", "date"} <= set(payload)
   table = (tmp_path / f"{name}.md").read_text()
-  assert table.startswith("| variant") and "\n| dn |" in table
+  first = {"clip": "osdn-apf"}.get(name, "dn")      # clip measures OSDN points only
+  assert table.startswith("| variant") and f"\n| {first} |" in table
   assert table in done.stdout
   png = (tmp_path / f"{name}.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+  if name == "clip":      # per layer, per head fractions, chunk counts at every C
+    layer = payload["rows"][0]["layers"][0]
+    assert set(layer["chunks"]) == {"16", "64", "128"} and len(layer["entries"]) == 2
+    assert all(0.0 <= x <= 1.0 for key in ("below", "above", "tokens", "d_at_min") for x in layer[key])
 
 
 def test_mqar_merge_reports_parts_together(tmp_path, compilation_cache):
@@ -74,6 +80,14 @@ def test_mqar_merge_reports_parts_together(tmp_path, compilation_cache):
   table = (out / "mqar.md").read_text()
   assert "\n| dn | 25.0 |" in table and "\n| pdn | 50.0 |" in table
   assert not (out / "runs").exists()
+
+
+def test_clip_takes_only_osdn_points():
+  from experiments import clip
+  assert set(clip.VARIANTS) == {"osdn", "osdn-gdn", "osdn-kda", "osdn-apf", "osdn-apf-gdn", "osdn-apf-kda"}
+  clip.check_variant("osdn-apf:apf_anchor=init")
+  with pytest.raises(ValueError, match="no OSDN d-pass"):
+    clip.check_variant("pdn")
 
 
 def test_parse_variant():

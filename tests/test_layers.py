@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from osdn_jax import dgps, layers
+from osdn_jax import dgps, diagnostics, layers
 from osdn_jax.testing import FP32_TOL, close, rel_rms
 
 FAST_COMPILE = dict(xla_backend_optimization_level=0)   # CPU CI: compile time dominates these tiny runs
@@ -229,3 +229,16 @@ def test_diagnostics_recall_residual_weights(name):
   _, cache = m(x, return_cache=True)
   norm = jnp.mean(jnp.sqrt(jnp.sum(jnp.square(cache.S.astype(jnp.float32)), axis=(-2, -1))))
   _assert_close(every["state_norm"], norm, "state norm")
+
+
+@pytest.mark.parametrize("name", ["osdn", "osdn-apf-kda"])
+def test_solve_inputs_build_the_layers_own_d_pass(name):
+  """The d-pass built from the mixer's solve inputs (`diagnostics.d_pass_inputs`, on the value heads) ends at the d
+  the layer's forward returns in its cache."""
+  m, x = _mixer(name, num_value_heads=4), _x(4)
+  prep = m.solve_inputs(x)
+  arrays, opts = diagnostics.d_pass_inputs(m.cfg.point, prep["k"], prep["beta"], prep["features"].get("precond"))
+  _, d_last, _, _ = diagnostics.clip_trajectory(**arrays, **opts)
+  _, cache = m(x, return_cache=True)
+  assert d_last.shape == cache.precond.shape == (B, 4, D // H)
+  _assert_close(d_last, cache.precond, "d_{T+1}")

@@ -142,12 +142,16 @@ def _atq(c: Context):
   return dict(q_tilde=q_tilde), A
 
 
+def osdn_retention(features):
+  """OSDN-APF's retention r = σ(W_r x + b_r) [B, T, HV] from the preconditioner's features; None without APF."""
+  return jax.nn.sigmoid(features["r"]) if "r" in features else None
+
+
 def _osdn(c: Context):
   o = c.options
-  retention = jax.nn.sigmoid(c.features["r"]) if "r" in c.features else None
   k_write, d = precond_fns.osdn_write_key(
-      c.k, c.beta, retention=retention, eta=o["eta"], d_init=o["d_init"], d_min=o["d_min"], d_max=o["d_max"],
-      guard=o["guard"], apf_anchor=o["apf_anchor"], initial_state=c.state,
+      c.k, c.beta, retention=osdn_retention(c.features), eta=o["eta"], d_init=o["d_init"], d_min=o["d_min"],
+      d_max=o["d_max"], guard=o["guard"], apf_anchor=o["apf_anchor"], initial_state=c.state,
       implementation=c.implementation, segment_ids=c.segment_ids)
   return dict(k_write=k_write), d
 

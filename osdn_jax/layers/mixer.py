@@ -215,6 +215,12 @@ class DGPSMixer(nnx.Module):
     return {axis: {name: proj(x).astype(jnp.float32) for name, proj in fs.items()}
             for axis, fs in self.features.items()}
 
+  def _projected(self, x):
+    """x [B, T, D] (the zero conv state) → (q, k, v, features) as the sequence forward projects them."""
+    qkv, _ = self.conv(self._qkv(x))
+    q, k, v = self._split_heads(jax.nn.silu(qkv))
+    return q, k, v, self._features(x)
+
   def _output(self, o, x):
     """o [..., HV, V] → head-wise RMSNorm (⊙ σ(W_g x) when gated) → W_o → [..., D]."""
     y = self.o_norm(o.astype(jnp.float32))
@@ -281,9 +287,7 @@ class DGPSMixer(nnx.Module):
     (k_t, v_t) it was given, over the positions with weights [B, T] > 0 (default: all), weighted."""
     cfg = self.cfg
     x = x.astype(cfg.dtype)
-    qkv, _ = self.conv(self._qkv(x))
-    q, k, v = self._split_heads(jax.nn.silu(qkv))
-    features = self._features(x)
+    q, k, v, features = self._projected(x)
     prep = cfg.point.prepare(q, k, v, features, _values(self.point_params), implementation=cfg.implementation)
     _, final = self._solve(q, k, v, features, segment_ids=None, state=None, return_cache=True)
     f32 = lambda a: None if a is None else a.astype(jnp.float32)
@@ -298,6 +302,15 @@ class DGPSMixer(nnx.Module):
       return {"q_geo": jnp.float32(jnp.nan), **out}
     rho = diagnostics.rho_closed_form(f32(prep["k"]), f32(prep["beta"]), f32(prep["k_write"]))
     return {"q_geo": diagnostics.q_geo(rho).astype(jnp.float32), **out}
+
+  def solve_inputs(self, x) -> dict:
+    """What the point hands its solve on x [B, T, D] from the zero state, computed as the sequence forward does:
+    `Point.prepare`'s dict (q, k normalised [B, T, H, K], v [B, T, HV, V], beta, log_decay, k_write, q_tilde,
+    precond_state) and the projected features under "features" ({axis: {name: [B, T, ...]}}, fp32)."""
+    cfg = self.cfg
+    q, k, v, features = self._projected(x.astype(cfg.dtype))
+    prep = cfg.point.prepare(q, k, v, features, _values(self.point_params), implementation=cfg.implementation)
+    return dict(prep, features=features)
 
   def step(self, x, cache: LayerCache):
     """One token for decoding: x [B, D], cache from `__call__(..., return_cache=True)` or a previous step.

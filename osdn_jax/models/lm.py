@@ -127,10 +127,18 @@ class LanguageModel(nnx.Module):
     """Per-layer write diagnostics on tokens [B, T] (each sequence from the zero state): {"q_geo": [L],
     "state_norm": [L], "recall_residual": [L]} (`DGPSMixer.diagnostics`; the input of layer l is the residual
     stream the model gives it; weights [B, T] selects the pairs of the recall residual, default all)."""
-    def layer(block, x, _):
-      return block(x), block.mixer.diagnostics(block.mixer_norm(x), weights)
+    return self._map_mixers(tokens, lambda mixer, x: mixer.diagnostics(x, weights), "LanguageModel.diagnostics")
 
-    _, out = self._scan_blocks(layer, self._embed(tokens, where="LanguageModel.diagnostics"), None)
+  def map_mixers(self, tokens, fn):
+    """fn(mixer, x) for every layer's mixer, x [B, T, D] the input the model gives it on tokens [B, T] (after the
+    block's norm; each sequence from the zero state); fn's outputs stacked on a leading layer axis [L, ...]."""
+    return self._map_mixers(tokens, fn, "LanguageModel.map_mixers")
+
+  def _map_mixers(self, tokens, fn, where: str):
+    def layer(block, x, _):
+      return block(x), fn(block.mixer, block.mixer_norm(x))
+
+    _, out = self._scan_blocks(layer, self._embed(tokens, where=where), None)
     return out
 
   def __call__(self, tokens, *, segment_ids=None, cache: Cache | None = None, return_cache: bool = False):
