@@ -87,3 +87,29 @@ def _fresh_compile_caches():
   worker holds."""
   yield
   jax.clear_caches()
+
+
+@pytest.fixture
+def races(monkeypatch):
+  """Every race-detector state TPU interpret mode makes (one per kernel run) while the test runs; the test fails if
+  any found a race. None where this JAX has no TPU interpret mode."""
+  try:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    base = ipc.RaceDetectionState
+  except (ImportError, AttributeError):
+    yield None
+    return
+  made = []
+
+  class Recorded(base):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      made.append(self)
+  monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
+  yield made
+  if not made:
+    pytest.fail("no kernel ran in TPU interpret mode with the race detector", pytrace=False)
+  found = sum(r.races_found for r in made)
+  if found:
+    pytest.fail(f"TPU interpret mode's race detector reported races in {found} of {len(made)} kernel runs (printed "
+                "above as RACE DETECTED)", pytrace=False)

@@ -211,7 +211,7 @@ def test_packed_initial_state_and_implementation_are_checked():
 
 
 # The Pallas GPU kernels (interpret mode on CPU) lay the segments out chunk-aligned
-# (pallas_kernels/gpu/delta_rule/packed.py).
+# (pallas_kernels/packed.py).
 @pytest.mark.parametrize("decay", ["none", "scalar", "channel"])
 def test_pallas_packed_equals_each_segment_alone(decay):
   """Values and all gradients against the fp64 segment-alone reference, per-segment initial states, value-head
@@ -231,7 +231,7 @@ def test_packed_row_lanes_partition_the_chunks():
   """The lanes of the packed state passes: segment n's lane starts at its first chunk, lanes tile [0, NC) in
   order (absent segments: empty lanes; the last lane also takes the trailing padding chunks); token positions
   strictly increase."""
-  from pallas_kernels.gpu.delta_rule import packed
+  from pallas_kernels import packed
   ids = segment_ids([[30, 1, 29, 40], [2, 98]])
   n, c = packing.num_segments(ids) + 2, 16
   pos, info, present = packed.chunk_aligned(packing.segment_index(ids), n, c)

@@ -308,7 +308,8 @@ def test_chaining_and_traced_scale():
 
 
 def test_dispatch():
-  """implementation="pallas" reaches these kernels (interpret mode on CPU); unsupported requests do not."""
+  """implementation="pallas" reaches these kernels (interpret mode on CPU; a TPU backend gets the TPU kernels);
+  unsupported requests do not."""
   p = random_problem(12, B=1, T=20, H=2, HV=2, K=16, V=16, decay="channel")
   q, k, v, beta = (p.arrays(jnp.float32)[n] for n in ("q", "k", "v", "beta"))
   spec = checks.check_solve("delta_rule", q, k, v, beta=beta, chunk_size=16)
@@ -318,7 +319,9 @@ def test_dispatch():
   assert lookup() is gpu.delta_rule and lookup(platform="gpu", dtype="bfloat16", chunk_size=64) is gpu.delta_rule
   assert lookup(op="linear_attention") is gpu.linear_attention
   assert lookup(dtype="float64") is None and lookup(platform="gpu", dtype="float16") is None
-  assert lookup(platform="tpu") is None and lookup(chunk_size=24) is None and lookup(length=None) is None
+  assert lookup(chunk_size=24) is None and lookup(length=None) is None
+  from pallas_kernels.tpu import delta_rule as tpu_delta_rule
+  assert lookup(platform="tpu") is tpu_delta_rule.delta_rule
   assert lookup(packed=True, num_segments=None) is None and lookup(packed=True, num_segments=3) is gpu.delta_rule
   wide = np.zeros((1, 4, 1, 512), np.float32)
   big = checks.check_solve("delta_rule", wide, wide, wide, beta=np.zeros((1, 4, 1), np.float32))

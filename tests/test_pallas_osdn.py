@@ -354,13 +354,16 @@ def test_osdn_write_key_packed(anchor, traced):
 
 
 def test_dispatch():
-  """lookup of "osdn_d_pass" finds the kernel for fp32, K ≤ 256, static constants, packed or not; importing
+  """lookup of "osdn_d_pass" finds the kernel for fp32, K ≤ 256, static constants, packed or not (on a TPU
+  backend, the TPU kernel); importing
   osdn_jax.dgps imports no kernel; implementation="pallas" refuses traced bounds, an unknown implementation is
   named."""
   spec = Spec("osdn_d_pass", "gpu", "float32", key_dim=128)
   lookup = lambda **kw: pallas_kernels.lookup(dataclasses.replace(spec, **kw))
   assert lookup() is osdn.d_pass and lookup(platform="cpu") is osdn.d_pass and lookup(packed=True) is osdn.d_pass
-  assert lookup(dtype="float64") is None and lookup(platform="tpu") is None and lookup(key_dim=512) is None
+  assert lookup(dtype="float64") is None and lookup(key_dim=512) is None
+  from pallas_kernels.tpu import osdn as tpu_osdn
+  assert lookup(platform="tpu") is tpu_osdn.d_pass
   assert lookup(static_params=False) is None
   k = jnp.ones((1, 8, 1, 16), F32) / 4
   beta = jnp.full((1, 8, 1), 0.5, F32)

@@ -4,7 +4,9 @@
 the race detector on, unspecified memory filled with NaN) against `precond.second_moment(implementation="xla")`
 (plain form: `affine_scan`) and the same contract in fp64: A, A_T and the gradients w.r.t. x, β, g and A0. Then
 registration (platform "tpu" only) and dispatch, and ahead-of-time compilation by libtpu's Mosaic compiler for
-v5e, v5p and v6e chips at the benchmark shapes, forward and backward, with the compiled program's memory."""
+v5e, v5p and v6e chips at the benchmark shapes, forward and backward, with the compiled program's memory. PDN's
+write key and ATQ's query (`pallas_kernels.tpu.precond_key`: the moment kernel, then the transform) against the
+library's XLA path."""
 import importlib.util
 import json
 
@@ -22,36 +24,11 @@ from pallas_kernels.gpu import decayed_sum as gpu_ds
 from pallas_kernels.spec import OPS, Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu import decayed_sum as ds
+from pallas_kernels.tpu import precond_key as pk
 
 F32, F64 = jnp.float32, jnp.float64
 TOL = 2e-6
 INTERPRET = common.interpret_params(detect_races=True, num_cores=2)
-
-
-@pytest.fixture
-def races(monkeypatch):
-  """Every race-detector state TPU interpret mode makes (one per kernel run) while the test runs; the test fails if
-  any found a race. None where this JAX has no TPU interpret mode."""
-  try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    base = ipc.RaceDetectionState
-  except (ImportError, AttributeError):
-    yield None
-    return
-  made = []
-
-  class Recorded(base):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      made.append(self)
-  monkeypatch.setattr(ipc, "RaceDetectionState", Recorded)
-  yield made
-  if not made:
-    pytest.fail("no kernel ran in TPU interpret mode with the race detector", pytrace=False)
-  found = sum(r.races_found for r in made)
-  if found:
-    pytest.fail(f"TPU interpret mode's race detector reported races in {found} of {len(made)} kernel runs (printed "
-                "above as RACE DETECTED)", pytrace=False)
 
 
 def _inputs(seed, B, T, H, K, dtype=F32, extreme=False):
@@ -134,10 +111,40 @@ def test_default_interpret_on_cpu_matches_the_gpu_kernel(races):
   assert all(rel_rms(a, b) < TOL for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("transform", ["pdn", "atq"])
+def test_precond_key(transform, races):
+  """PDN's write key and ATQ's query (the moment kernel, then the transform in XLA): y, A_T and every gradient
+  (k, q, β, g, A0, the centre) against `precond.pdn_write_key` / `atq_query` on the XLA path."""
+  x, g, beta, A0 = _inputs(9, 2, 70, 3, 64, extreme=True)
+  q = jnp.asarray(np.random.default_rng(10).normal(size=x.shape), F32)
+  centre = jnp.asarray([0.1, -0.3, 0.5], F32)
+  if transform == "pdn":
+    def fn(k, g, b, a0, c):
+      return pk.precond_key(k, b, g, transform="pdn", center=c, x=1.5, initial_state=a0, interpret=INTERPRET)
+
+    def ref(k, g, b, a0, c):
+      return precond.pdn_write_key(k, b, g, c, x=1.5, initial_state=a0, implementation="xla")
+    args = (x, g, beta, A0, centre)
+  else:
+    def fn(k, g, b, a0, q):
+      return pk.precond_key(k, b, g, transform="atq", q=q, lam=0.5, initial_state=a0, interpret=INTERPRET)
+
+    def ref(k, g, b, a0, q):
+      return precond.atq_query(q, k, b, g, lam=0.5, initial_state=a0, implementation="xla")
+    args = (x, g, beta, A0, q)
+  got, want = _values_and_grads(fn, args), _values_and_grads(ref, args)
+  errors = [rel_rms(a, b) for a, b in zip(got, want)]
+  assert max(errors) < TOL, errors
+  with pytest.raises(ValueError, match="center"):
+    pk.precond_key(x, beta, g, transform="pdn", center=jnp.zeros(5), interpret=INTERPRET)
+
+
 def test_registration_and_dispatch():
   """The TPU kernels are chosen on platform "tpu" only: a CPU or GPU request gets what it got before."""
   tpu = lambda op, **kw: Spec(op, "tpu", **{"dtype": "float32", "key_dim": 128, **kw})
   assert pallas_kernels.lookup(tpu("decayed_sum")) is ds.decayed_sum
+  assert pallas_kernels.lookup(tpu("precond_key")) is pk.precond_key
+  assert pallas_kernels.lookup(tpu("precond_key", static_params=False)) is None
   assert pallas_kernels.lookup(tpu("decayed_sum", dtype="bfloat16")) is ds.decayed_sum
   assert pallas_kernels.lookup(tpu("decayed_sum", packed=True)) is None
   assert pallas_kernels.lookup(tpu("decayed_sum", dtype="float64")) is None

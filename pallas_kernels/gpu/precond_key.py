@@ -32,20 +32,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.arrays import check_precond_key
 from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec, is_pow2
-
-TRANSFORMS = ("pdn", "atq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,30 +354,6 @@ _precond_key.defvjp(_fwd, _bwd)
 # ---------------------------------------------------------------------------------------------------------
 # Entry point.
 # ---------------------------------------------------------------------------------------------------------
-def _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state):
-  where = "precond_key (pallas gpu)"
-  if transform not in TRANSFORMS:
-    raise ValueError(f"{where}: `transform` must be one of {TRANSFORMS}, got {transform!r}")
-  if k.ndim != 4:
-    raise ValueError(f"{where}: `k` must be [B, T, H, K], got shape {k.shape}")
-  b, t, h, kd = k.shape
-  for name, a in (("beta", beta), ("log_decay", log_decay)):
-    if a.shape != (b, t, h):
-      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, kd):
-    raise ValueError(f"{where}: `initial_state` must be [B, H, K] = {(b, h, kd)}, got {initial_state.shape}")
-  if transform == "atq" and (q is None or q.shape != k.shape):
-    raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape} for 'atq', got "
-                     f"{None if q is None else q.shape}")
-  if transform == "pdn" and (center is None or jnp.shape(center) not in ((), (h,))):
-    raise ValueError(f"{where}: `center` must be a scalar or [H] = {(h,)} for 'pdn', got "
-                     f"{None if center is None else jnp.shape(center)}")
-  if not all(isinstance(v, numbers.Real) for v in (x, eps, lam)):
-    raise ValueError(f"{where}: `x`, `eps` and `lam` must be static numbers, got {x!r}, {eps!r}, {lam!r}")
-  if not (x > 0 and eps >= 0 and lam > 0):
-    raise ValueError(f"{where}: need x > 0, eps ≥ 0 and lam > 0, got x={x}, eps={eps}, lam={lam}")
-
-
 def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
                 initial_state=None, config: Config | None = None, interpret: bool | None = None):
   """PDN's write key M(A_t) ⊙ k_t ("pdn") or ATQ's query q_t / (A_t + λ) ("atq"), and A_T.
@@ -392,7 +366,7 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   DEFAULT compiled, INTERPRET in interpret mode); interpret: None runs interpret mode on a CPU
   backend.
   """
-  _check(k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
+  check_precond_key("precond_key (pallas gpu)", k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
   b, _, h, kd = k.shape
   interpret = default_interpret(interpret)
   config = config or (INTERPRET if interpret else DEFAULT)

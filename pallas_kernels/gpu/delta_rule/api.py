@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.gpu.common import MAX_DIM, default_interpret, pad_axis, padded_dim
-from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics, packed
+from pallas_kernels import packed
+from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 from pallas_kernels.gpu.delta_rule.layout import Static
 from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
-from pallas_kernels.arrays import scale_parts
+from pallas_kernels.arrays import check_segment_ids, scale_parts
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -84,7 +85,7 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   hv, vd = v.shape[2:]
   dtype = q.dtype
   n_seg = num_segments if segment_ids is not None else 0
-  if n_seg:                               # one chunk-aligned row (packed.py)
+  if n_seg:                               # one chunk-aligned row (pallas_kernels/packed.py)
     tp = packed.row_length(b * t, n_seg, chunk_size)
     pos, info, present = packed.chunk_aligned(segment_ids, n_seg, chunk_size)
     row = lambda x: None if x is None else packed.to_row(x, pos, tp)
@@ -144,7 +145,7 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   Shapes as `osdn_jax.ops.chunked.delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV];
   k_write [B, T, H or HV, K] (cast to q.dtype); log_decay None, [B, T, HV] or [B, T, HV, K];
   initial_state [B, HV, K, V]. Returns (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] fp32).
-  Packed (`packed.py`): `segment_ids` [B, T] are segment numbers 0..N−1 in row-major order
+  Packed (`pallas_kernels/packed.py`): `segment_ids` [B, T] are segment numbers 0..N−1 in row-major order
   (`osdn_jax.ops.packing.segment_index`), `num_segments` N is static, and initial_state and the final states
   are [N, HV, K, V].
   `config` sets the launch parameters; `heuristics.chunk` may run a smaller chunk than `chunk_size` (rounding
@@ -160,11 +161,7 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
     raise ValueError(f"delta_rule (pallas gpu): K and V must be ≤ {MAX_DIM}")
   if segment_ids is not None:
-    if jnp.shape(segment_ids) != q.shape[:2] or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
-      raise ValueError(f"delta_rule (pallas gpu): `segment_ids` must be an integer array [B, T] = {q.shape[:2]}, "
-                       f"got {jnp.result_type(segment_ids)} {jnp.shape(segment_ids)}")
-    if not num_segments:
-      raise ValueError("delta_rule (pallas gpu): with `segment_ids`, `num_segments` (N, static) must be given")
+    check_segment_ids("delta_rule (pallas gpu)", segment_ids, q.shape[:2], num_segments)
   decay = "none" if log_decay is None else ("channel" if jnp.ndim(log_decay) == 4 else "scalar")
   rows = num_segments if segment_ids is not None else q.shape[0]
   chunk = heuristics.chunk(config, decay, chunk_size, dtype=jnp.dtype(q.dtype).name, kdim=padded_dim(q.shape[-1]),

@@ -10,7 +10,7 @@ Arrays (T padded to a multiple of the chunk C, K and V padded to powers of two â
   partial sums over the programs of a split grid axis: [NP, B, HV, T] (summed in XLA).
 
 Grids: chunk-parallel kernels (B, HV, NC), (B, HV, NC, NV) or (B, HV, NC, NK); sequential state passes
-(B, HV, NV), packed (N lanes, HV, NV) over the one row (`packed.py`).
+(B, HV, NV), packed (N lanes, HV, NV) over the one row (`pallas_kernels/packed.py`).
 Value head h reads key head h // (HV / H) and write-key head h // (HV / Hkw).
 """
 from __future__ import annotations

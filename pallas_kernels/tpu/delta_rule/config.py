@@ -1,12 +1,14 @@
-"""Launch parameters of the TPU delta-rule forward: block sizes and precision as data."""
+"""Launch parameters of the TPU delta-rule kernels: block sizes and precision as data, per TPU generation."""
 from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.tpu.common import generation
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """How the forward kernel is launched; no field changes the function, only rounding, speed and VMEM use.
+  """How the kernels are launched; no field changes the function, only rounding, speed and VMEM use.
 
   block_v: V columns per program (a parallel grid axis of V / block_v programs, each re-forming the chunk's
     T = (I + A)⁻¹ and W); None takes all of V. Must divide the padded V and be a multiple of 128, or V itself.
@@ -43,3 +45,14 @@ class Config:
 
 
 DEFAULT = Config()
+
+# Per TPU generation. With K = V = 128 the dots of the chunk fill a 128-wide MXU (v4, v5e, v5p) at sub-blocks of 16
+# rows; v6e's MXU is 256 wide, so its per-channel reference-row dots ([s, K] × [K, C]) take 32 rows, half as many
+# dots of twice the height (docs/tpu_cost_model.md). Chosen on paper: no TPU has timed them.
+CONFIGS = {"v4": DEFAULT, "v5e": DEFAULT, "v5p": DEFAULT, "v6e": Config(sub=32)}
+
+
+def config_for(device_kind: str | None = None) -> Config:
+  """The launch parameters for a TPU `device_kind` or topology name ("TPU v6 lite", "v5p:2x2x1"; default: this
+  backend's first device); DEFAULT off TPU."""
+  return CONFIGS.get(generation(device_kind), DEFAULT)

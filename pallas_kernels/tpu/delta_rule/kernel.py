@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -125,41 +126,39 @@ def channel_scores(x_ref, y_ref, g_ref, *, strict: bool, sub: int, mm=F32, preci
   return out + jnp.concatenate(blocks, axis=0)
 
 
-def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low: bool, num_chunks: int,
-            sub: int):
-  """One grid step (b, h, j, c). refs: q, k, [k_write], v [C, ·]; the gates [1 or 2, C] (β, and G with scalar
-  decay); [log-decays [C, K] with channel decay]; [S0 [K, BV]]; outputs o [C, BV], S_T [K, BV]; scratch S [K, BV]
-  fp32 and, with channel decay, G [C, K] fp32."""
-  it = iter(refs)
-  q_ref, k_ref = next(it), next(it)
-  kw_ref = k_ref if same_keys else next(it)
-  v_ref, gates_ref = next(it), next(it)
-  ld_ref = next(it) if decay == "channel" else None
-  s0_ref = next(it) if has_s0 else None
-  o_ref, st_ref, s_ref = next(it), next(it), next(it)
-  g_ref = next(it) if decay == "channel" else None
-  c = pl.program_id(3)
+def segment_flags(codes_ref, chunk):
+  """Packed: whether `chunk` is the first and whether it is the last chunk of its segment (its code)."""
+  code = codes_ref[chunk]
+  return (code & 1) != 0, (code & 2) != 0
 
-  @pl.when(c == 0)
-  def _():
-    s_ref[...] = s0_ref[...].astype(F32) if has_s0 else jnp.zeros(s_ref.shape, F32)
 
-  # Full-precision dots where the operands are fp32; bf16 operands multiply exactly with fp32 accumulation.
-  exact = None if q_ref.dtype == jnp.bfloat16 else HIGHEST
+def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, decay: str, sub: int, low: bool):
+  """The forward's quantities of one chunk (module docstring) from its refs and the entering state s [K, BV] fp32,
+  shared by the forward and the backward kernel. Per-channel decay writes G into g_ref first. Returns a namespace:
+  q, k, kw, v as loaded; n (C); i, j ([C, C] iotas); beta_row [1, C], beta_col [C, 1]; strict, causal (the masked
+  pair factors Γ, Γ'; decay none / scalar); eg (e^G: [C, 1] scalar, [C, K] per channel; None without decay),
+  g_end (G_C: [1, 1] scalar, [1, K] per channel), ret (e^{G_C − G}); kk (K K̃ᵀ's masked pair sums, A = β kk),
+  scores (P), t (T), w_in (W's right factor: K, or K ⊙ e^G per channel), w, u, v_new; lo, prec (the dots'
+  operand cast and precision)."""
+  exact = None if q_ref.dtype == jnp.bfloat16 else HIGHEST        # bf16 × bf16 is exact with fp32 accumulation
   mm = jnp.bfloat16 if low else F32
   prec = None if low else HIGHEST
   lo = lambda x: x.astype(mm)
-
   q, k, kw, v = q_ref[...], k_ref[...], kw_ref[...], v_ref[...]
-  n, kd = q.shape
+  n = q.shape[0]
   i, j = _iota(n, 0), _iota(n, 1)
   beta_row = gates_ref[0:1, :]                                       # [1, C]
   beta_col = _column(beta_row, i, j)                                 # [C, 1]
+  strict = causal = eg = g_end = ret = None
   if decay == "channel":
     g_ref[...] = dot(_ones_where(i >= j), jnp.maximum(ld_ref[...].astype(F32), LOG_DECAY_FLOOR),
                      precision=HIGHEST)                              # G = in-chunk inclusive cumsum
-    a = beta_col * channel_scores(k_ref, kw_ref, g_ref, strict=True, sub=sub)
+    g = g_ref[...]
+    g_end = g_ref[n - 1:n, :]                                        # G_C, [1, K]
+    eg, ret = jnp.exp(g), jnp.exp(g_end - g)
+    kk = channel_scores(k_ref, kw_ref, g_ref, strict=True, sub=sub)
     scores = channel_scores(q_ref, kw_ref, g_ref, strict=False, sub=sub, mm=mm, precision=prec)
+    w_in, w_cols = k.astype(F32) * eg, beta_row
   else:
     if decay == "scalar":
       g_row = gates_ref[1:2, :]
@@ -167,45 +166,87 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
       diff = g_col - g_row                                           # G_i − G_j, [C, C]
       strict, causal = _masked_exp(diff, i > j), _masked_exp(diff, i >= j)
       last = lax.broadcasted_iota(jnp.int32, (1, n), 1) == n - 1
-      g_last = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)        # G_C, [1, 1]
+      g_end = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)         # G_C, [1, 1]
+      eg, ret = jnp.exp(g_col), jnp.exp(g_end - g_col)               # [C, 1]
+      w_cols = beta_row * jnp.exp(g_row)
     else:
       strict, causal = _ones_where(i > j), _ones_where(i >= j)
-    a = beta_col * dot(k, kw, tb=True, precision=exact) * strict
+      w_cols = beta_row
+    kk = dot(k, kw, tb=True, precision=exact) * strict
     scores = dot(q, kw, tb=True, precision=exact) * causal
-
-  t = unit_lower_inverse(a)
-  if decay == "channel":
-    g = g_ref[...].astype(F32)
-    w = dot(lo(t * beta_row), lo(k.astype(F32) * jnp.exp(g)), precision=prec)
-  else:
-    w_cols = beta_row * jnp.exp(g_row) if decay == "scalar" else beta_row
-    w = dot(lo(t * w_cols), lo(k), precision=prec)                  # [C, K]
+    w_in = k
+  t = unit_lower_inverse(beta_col * kk)
+  w = dot(lo(t * w_cols), lo(w_in), precision=prec)                  # [C, K]
   u = dot(lo(t * beta_row), lo(v), precision=prec)                  # [C, BV]
-  s = s_ref[...]
   v_new = u - dot(lo(w), lo(s), precision=prec)
+  return types.SimpleNamespace(q=q, k=k, kw=kw, v=v, n=n, i=i, j=j, beta_row=beta_row, beta_col=beta_col,
+                               strict=strict, causal=causal, eg=eg, g_end=g_end, ret=ret, kk=kk, scores=scores,
+                               t=t, w_in=w_in, w=w, u=u, v_new=v_new, lo=lo, prec=prec)
+
+
+def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low: bool, num_chunks: int,
+            sub: int, save_states: bool, packed: bool):
+  """One grid step (b, h, j, c). refs: [packed: the chunk codes (SMEM)]; q, k, [k_write], v [C, ·]; the gates
+  [1 or 2, C] (β, and G with scalar decay); [log-decays [C, K] with channel decay]; [S0 [K, BV]: packed, the
+  chunk's segment's]; outputs o [C, BV], S_T [K, BV], [the state entering the chunk [K, BV] with save_states];
+  scratch S [K, BV] fp32 and, with channel decay, G [C, K] fp32. Packed, the state restarts from the segment's S0
+  at its first chunk and is stored as its S_T at its last."""
+  it = iter(refs)
+  codes_ref = next(it) if packed else None
+  q_ref, k_ref = next(it), next(it)
+  kw_ref = k_ref if same_keys else next(it)
+  v_ref, gates_ref = next(it), next(it)
+  ld_ref = next(it) if decay == "channel" else None
+  s0_ref = next(it) if has_s0 else None
+  o_ref, st_ref = next(it), next(it)
+  states_ref = next(it) if save_states else None
+  s_ref = next(it)
+  g_ref = next(it) if decay == "channel" else None
+  c = pl.program_id(3)
+  starts, ends = segment_flags(codes_ref, c) if packed else (c == 0, c == num_chunks - 1)
+
+  @pl.when(c == 0)
+  def _():
+    s_ref[...] = jnp.zeros(s_ref.shape, F32)
+
+  if has_s0:
+    @pl.when(starts)
+    def _():
+      s_ref[...] = s0_ref[...].astype(F32)
+
+  s = s_ref[...]
+  if save_states:
+    states_ref[...] = s
+  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, low=low)
+  q, kw, v_new, lo, prec, kd = f.q, f.kw, f.v_new, f.lo, f.prec, f.k.shape[1]
 
   if decay == "channel":
-    inter = dot(lo(q.astype(F32) * jnp.exp(g)), lo(s), precision=prec)
+    inter = dot(lo(q.astype(F32) * f.eg), lo(s), precision=prec)
   else:
     inter = dot(lo(q), lo(s), precision=prec)
     if decay == "scalar":
-      inter = jnp.exp(g_col) * inter
-  o = inter + dot(lo(scores), lo(v_new), precision=prec)
+      inter = f.eg * inter
+  o = inter + dot(lo(f.scores), lo(v_new), precision=prec)
   o_ref[...] = (scale * o).astype(o_ref.dtype)
 
   if decay == "channel":
-    g_end = g_ref[n - 1:n, :].astype(F32)                            # G_C, [1, K]
-    s = jnp.exp(_column(g_end, _iota(kd, 0), _iota(kd, 1))) * s      # rows of S by e^{G_C}
-    kw = kw.astype(F32) * jnp.exp(g_end - g)
+    s = jnp.exp(_column(f.g_end, _iota(kd, 0), _iota(kd, 1))) * s    # rows of S by e^{G_C}
+    kw = kw.astype(F32) * f.ret
   elif decay == "scalar":
-    s = jnp.exp(g_last) * s
-    v_new = jnp.exp(g_last - g_col) * v_new
+    s = jnp.exp(f.g_end) * s
+    v_new = f.ret * v_new
   s = s + dot(lo(kw), lo(v_new), ta=True, precision=prec)
   s_ref[...] = s
 
-  @pl.when(c == num_chunks - 1)
+  @pl.when(ends)
   def _():
     st_ref[...] = s
+
+
+def grid_spec(lay: Layout, in_specs, out_specs, scratch):
+  """The launch's grid, blocks and VMEM scratch; packed, the chunk codes are prefetched into SMEM."""
+  return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1 if lay.packed else 0, grid=lay.grid,
+                                      in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
 
 
 def _cost(lay: Layout, decay: str, sub: int, args, out_bytes: int):
@@ -224,13 +265,16 @@ def _cost(lay: Layout, decay: str, sub: int, args, out_bytes: int):
                          bytes_accessed=int(in_bytes + out_bytes))
 
 
-def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, *, scale: float, low: bool, interpret: bool, sub: int = 16,
-                 vmem_limit_bytes=None):
+def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, codes=None, *, scale: float, low: bool, interpret: bool,
+                 sub: int = 16, vmem_limit_bytes=None, save_states: bool = False):
   """The pallas_call on prepared arrays. q, k [B, T, H, K]; kw None or [B, T, H | HV, K]; v [B, T, HV, V]
   (T, K, V padded, one dtype); beta [B, HV, T] fp32; G None (no decay), [B, HV, T] (scalar: the in-chunk
   cumsum) or [B, T, HV, K] (per channel: the log-decays themselves, any float dtype); S0 None or [B, HV, K, V]
-  fp32; sub: the pairwise sub-block of per-channel decay.
-  → (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32)."""
+  fp32; sub: the pairwise sub-block of per-channel decay. Packed (lay.packed; B = 1): codes [NC] int32, the chunk
+  codes of `pallas_kernels.packed.chunk_aligned`, and S0 [N, HV, K, V] (required); S_T is then [N, HV, K, V],
+  with the rows of segments without tokens unspecified.
+  → (o [B, T, HV, V] in q.dtype, S_T [B, HV, K, V] fp32), and with save_states the state entering each chunk,
+  [B, HV, NC, K, V] fp32 (what the backward reads)."""
   same_keys = kw is None
   in_specs = [lay.key_spec(lay.heads), lay.key_spec(lay.heads)]
   args = [lay.tokens_in(q), lay.tokens_in(k)]
@@ -244,23 +288,29 @@ def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, *, scale: float, low: bo
   if decay == "channel":
     in_specs.append(lay.key_spec(lay.value_heads))
     args.append(lay.tokens_in(G))
+  state_spec = lay.segment_state_spec() if lay.packed else lay.state_spec()
   if S0 is not None:
-    in_specs.append(lay.state_spec())
+    in_specs.append(state_spec)
     args.append(S0)
   kernel = functools.partial(_kernel, decay=decay, same_keys=same_keys, has_s0=S0 is not None, scale=scale,
-                             low=low, num_chunks=lay.num_chunks, sub=sub)
-  state_shape = (lay.batch, lay.value_heads, lay.key_dim, lay.value_dim)
+                             low=low, num_chunks=lay.num_chunks, sub=sub, save_states=save_states,
+                             packed=lay.packed)
+  rows = S0.shape[0] if lay.packed else lay.batch
+  state_shape = (rows, lay.value_heads, lay.key_dim, lay.value_dim)
   out_shape = [jax.ShapeDtypeStruct(lay.output_shape(), q.dtype), jax.ShapeDtypeStruct(state_shape, F32)]
+  out_specs = [lay.value_spec(), state_spec]
+  if save_states:
+    out_shape.append(jax.ShapeDtypeStruct((lay.batch, lay.value_heads, lay.num_chunks, lay.key_dim, lay.value_dim),
+                                          F32))
+    out_specs.append(lay.chunk_states_spec())
   out_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in out_shape)
-  o, S = pl.pallas_call(
-      kernel, grid=lay.grid, in_specs=in_specs,
-      out_specs=[lay.value_spec(), lay.state_spec()],
-      out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((lay.key_dim, lay.block_v), F32)]
-      + ([pltpu.VMEM((lay.chunk, lay.key_dim), F32)] if decay == "channel" else []),
+  scratch = [pltpu.VMEM((lay.key_dim, lay.block_v), F32)]
+  scratch += [pltpu.VMEM((lay.chunk, lay.key_dim), F32)] if decay == "channel" else []
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid_spec=grid_spec(lay, in_specs, out_specs, scratch),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=vmem_limit_bytes),
       cost_estimate=_cost(lay, decay, sub, args, out_bytes), interpret=interpret_mode(interpret),
-      name="delta_rule_fwd_tpu")(*args)
-  return lay.tokens_out(o), S
+      name="delta_rule_fwd_tpu")(*([codes] if lay.packed else []), *args)
+  return (lay.tokens_out(outs[0]),) + tuple(outs[1:])

@@ -11,6 +11,9 @@ of (8, 128) or the array's whole dims, so:
 * β and the scalar decay's in-chunk cumulative log-decay G, [B, HV, T] fp32, enter stacked as rows,
   [B, HV, NC, R, C] with R = 1 (β) or 2 (β, G): a block [R, C] holds the chunk's values along lanes.
 * states [B, HV, K, V]: a block [K, BV], the same for every chunk of a program.
+* packed sequences: one row (B = 1) of chunk-aligned segments (`pallas_kernels/packed.py`); the per-chunk codes
+  (segment << 2 | last chunk << 1 | first chunk) are scalar-prefetched into SMEM, so the index maps of the
+  per-segment states [N, HV, K, V] and the kernels read them.
 """
 from __future__ import annotations
 
@@ -65,6 +68,12 @@ class Layout:
   block_v: int
   chunk: int
   head_major: bool
+  reverse: bool = False   # the backward's launch: grid step c visits chunk NC − 1 − c
+  packed: bool = False    # one chunk-aligned row of segments (pallas_kernels/packed.py); index maps get its codes
+
+  def chunk_of(self, c):
+    """The chunk that grid step c visits (last to first when reverse)."""
+    return np.int32(self.num_chunks - 1) - c if self.reverse else c
 
   @property
   def num_chunks(self) -> int:
@@ -94,17 +103,17 @@ class Layout:
 
   def key_spec(self, heads: int):
     """A [C, K] block of q, k or k_write (`heads` heads) at chunk c of value head h."""
-    head, kd = self.head_of(heads), self.key_dim
+    head, kd, at = self.head_of(heads), self.key_dim, self.chunk_of
     if self.head_major:
-      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, kd), lambda b, h, j, c: (b, head(h), c, _0))
-    return pl.BlockSpec((SQUEEZED, self.chunk, kd), lambda b, h, j, c: (b, c, head(h)))
+      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, kd), lambda b, h, j, c, *_: (b, head(h), at(c), _0))
+    return pl.BlockSpec((SQUEEZED, self.chunk, kd), lambda b, h, j, c, *_: (b, at(c), head(h)))
 
   def value_spec(self):
     """A [C, BV] block of v or o at chunk c, value head h, value block j."""
-    bv, nv = self.block_v, self.num_v
+    bv, nv, at = self.block_v, self.num_v, self.chunk_of
     if self.head_major:
-      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, bv), lambda b, h, j, c: (b, h, c, j))
-    return pl.BlockSpec((SQUEEZED, self.chunk, bv), lambda b, h, j, c: (b, c, h * nv + j))
+      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, bv), lambda b, h, j, c, *_: (b, h, at(c), j))
+    return pl.BlockSpec((SQUEEZED, self.chunk, bv), lambda b, h, j, c, *_: (b, at(c), h * nv + j))
 
   def output_shape(self):
     b, t, hv, vd = self.batch, self.length, self.value_heads, self.value_dim
@@ -124,9 +133,56 @@ class Layout:
     return jnp.swapaxes(x, 2, 3)
 
   def gates_spec(self, r: int):
-    return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, r, self.chunk), lambda b, h, j, c: (b, h, c, _0, _0))
+    at = self.chunk_of
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, r, self.chunk), lambda b, h, j, c, *_: (b, h, at(c), _0, _0))
+
+  # Gradients of the backward: one partial per (value head, V block), summed by the caller ---------------
+  def partial_key_shape(self):
+    """dq, dk, dk_write (and per-channel d log-decay) partials: a [K] row per token, value head and V block."""
+    b, t, n, kd = self.batch, self.length, self.value_heads * self.num_v, self.key_dim
+    return (b, n, t, kd) if self.head_major else (b, t, n * kd)
+
+  def partial_key_spec(self):
+    nv, kd, at = self.num_v, self.key_dim, self.chunk_of
+    if self.head_major:
+      return pl.BlockSpec((SQUEEZED, SQUEEZED, self.chunk, kd), lambda b, h, j, c, *_: (b, h * nv + j, at(c), _0))
+    return pl.BlockSpec((SQUEEZED, self.chunk, kd), lambda b, h, j, c, *_: (b, at(c), h * nv + j))
+
+  def partial_keys_out(self, x):
+    """A partial → [B, T, HV, NV, K] (T and K padded)."""
+    if self.head_major:
+      x = jnp.swapaxes(x, 1, 2)
+    return x.reshape(self.batch, self.length, self.value_heads, self.num_v, self.key_dim)
+
+  def partial_gates_shape(self, r: int):
+    return (self.batch, self.value_heads * self.num_v, self.num_chunks, r, self.chunk)
+
+  def partial_gates_spec(self, r: int):
+    nv, at = self.num_v, self.chunk_of
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, r, self.chunk),
+                        lambda b, h, j, c, *_: (b, h * nv + j, at(c), _0, _0))
+
+  def partial_gates_out(self, x):
+    """[B, HV·NV, NC, R, C] → [B, HV, R, T] summed over V blocks."""
+    r = x.shape[3]
+    x = x.reshape(self.batch, self.value_heads, self.num_v, self.num_chunks, r, self.chunk).sum(axis=2)
+    return jnp.swapaxes(x, 2, 3).reshape(self.batch, self.value_heads, r, self.length)
 
   # States -----------------------------------------------------------------------------------------------
   def state_spec(self):
     """The [K, BV] block of S0 or S_T of a program: one block for all of its chunks."""
-    return pl.BlockSpec((SQUEEZED, SQUEEZED, self.key_dim, self.block_v), lambda b, h, j, c: (b, h, _0, j))
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, self.key_dim, self.block_v), lambda b, h, j, c, *_: (b, h, _0, j))
+
+  def segment_state_spec(self):
+    """Packed: the [K, BV] block of segment n's initial or final state in [N, HV, K, V], n being the segment of
+    the chunk that grid step c visits (its code in the scalar-prefetched `codes`, n = code >> 2)."""
+    at = self.chunk_of
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, self.key_dim, self.block_v),
+                        lambda b, h, j, c, codes: (lax.shift_right_logical(codes[at(c)], np.int32(2)), h, _0, j))
+
+  def chunk_states_spec(self):
+    """The [K, BV] block of the state entering chunk c, in [B, HV, NC, K, V] (saved by the forward for the
+    backward)."""
+    at = self.chunk_of
+    return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, self.key_dim, self.block_v),
+                        lambda b, h, j, c, *_: (b, h, at(c), _0, j))

@@ -1,0 +1,61 @@
+"""Block sizes (`Config`) and what the kernels are specialised on (`Static`)."""
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu.common import LANES
+
+MAX_KEY_DIM = 256                 # d [Hb, K] of a head block stays in vregs
+NAME = "osdn d_pass (pallas tpu)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """chunk: tokens per grid step, a multiple of 128 (the lane dim of the head-major scalar blocks); a sequence of at
+  most `chunk` tokens runs as one chunk of T rounded up to 8. block_h: heads per program for G a multiple of it, a
+  multiple of 8 (else all G). unroll: tokens per iteration of the token loop (1, 2, 4 or 8)."""
+  chunk: int = 128
+  block_h: int = 8
+  unroll: int = 8
+
+  def __post_init__(self):
+    for name, ok, what in (("chunk", lambda v: v % LANES == 0, f"a positive multiple of {LANES}"),
+                           ("block_h", lambda v: v % 8 == 0, "a positive multiple of 8"),
+                           ("unroll", lambda v: v in (1, 2, 4, 8), "1, 2, 4 or 8")):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and not isinstance(value, bool) and value > 0 and ok(value)):
+        raise ValueError(f"{NAME}: `{name}` must be {what}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything the kernels are specialised on. mode: "none" (r ≡ 1) | "zero" | "init"; segments: N (0 unpacked)."""
+  length: int
+  heads: int
+  key_dim: int
+  eta: float
+  d_min: float | None
+  d_max: float | None
+  mode: str
+  segments: int
+  chunk: int
+  block_h: int
+  unroll: int
+  interpret: object
+
+  @property
+  def tp(self) -> int:
+    return common.round_up(self.length, self.chunk)
+
+  @property
+  def num_chunks(self) -> int:
+    return self.tp // self.chunk
+
+
+def static(t, g, kd, *, eta, d_min, d_max, mode, segments, config: Config, interpret) -> Static:
+  """The chunk (C, or T rounded up to 8 when T ≤ C) and head block (block_h, or all G) for T, G."""
+  chunk = config.chunk if t > config.chunk else common.round_up(t, 8)
+  block_h = config.block_h if g % config.block_h == 0 else g
+  return Static(length=t, heads=g, key_dim=kd, eta=eta, d_min=d_min, d_max=d_max, mode=mode, segments=segments,
+                chunk=chunk, block_h=block_h, unroll=config.unroll, interpret=interpret)

@@ -1,0 +1,206 @@
+"""The kernels: the forward and the reverse token loop over chunks, and the token's math shared with XLA.
+
+Layout: u, ds, ∂L/∂ds and μ stay [B, T, G, K]; a block is [C, Hb, K] (C tokens, Hb heads, all K channels), so
+token t of a block, `ref[t]`, is one [Hb, K] tile row (one vreg for Hb = 8, K = 128) and d of the block's heads one
+[Hb, K] value; no relayout copy is made around the kernels. The per-token scalars a, c, r are head-major
+[B, G, Tp] (Tp: T padded to whole chunks, zeros past T), blocks [Hb, C]; token t's column [Hb, 1] is a masked lane
+sum (`common.take`). Grid (B, G/Hb, Tp/C): the chunk axis innermost and "arbitrary", d (λ) carried across it in a
+VMEM scratch, the others "parallel". Inside a chunk a while_loop over groups of `unroll` tokens; the last chunk
+runs only its T − (NC − 1) C tokens (a static count), so rows past T are neither read nor written.
+
+Backward: chunks visited last to first by the index maps, tokens in reverse; d̄_{t+1} recomputed from the saved
+d_t by the forward's own code (so the clip's derivative sees the forward's values), then
+    μ_t = clip'(d̄_{t+1}) ⊙ λ_{t+1},   λ_t = ∂L/∂ds_t + ρ_t μ_t − c_t ⟨μ_t, u_t⟩ u_t   (ρ_t = 1 or r_t, λ = 0 past T)
+with clip' as `jnp.clip` differentiates (1 inside, 0 outside, ½ at a bound). Only μ is stored.
+
+Packed: codes [C'] per chunk in SMEM (C' = C rounded up to 128), the segment at a segment's first token, −1
+elsewhere. There the forward copies d1[segment]'s rows of the block's heads from HBM into a VMEM scratch
+(`pltpu.sync_copy`; d1 [N, G, K] stays in HBM, so N is unbounded) and restarts from them; the backward zeroes λ
+after such a token (the segment's first d does not depend on the previous token).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu.common import F32, SQUEEZED as _SQ
+from pallas_kernels.tpu.osdn.config import Static
+
+
+# One token, shared by the kernels ([Hb, K] with [Hb, 1] scalars) and XLA ([..., G, K] with [..., G, 1]).
+def pre_clip(st: Static, d, u, a, c, r, o):
+  """(d̄_{t+1}, s_t)."""
+  s = jnp.sum(d * u, axis=-1, keepdims=True)
+  if st.mode == "none":
+    keep = d
+  elif st.mode == "zero":
+    keep = r * d
+  else:
+    keep = o + r * (d - o)
+  return keep + (a - c * s) * u
+
+
+def clip(st: Static, x):
+  if st.d_min is not None:
+    x = jnp.maximum(x, st.d_min)
+  if st.d_max is not None:
+    x = jnp.minimum(x, st.d_max)
+  return x
+
+
+def clip_grad(st: Static, x):
+  """∂clip/∂x as `jnp.clip` defines it (½ at a bound); None where unbounded."""
+  m = None
+  if st.d_min is not None:
+    m = (x > st.d_min).astype(F32) + 0.5 * (x == st.d_min).astype(F32)
+  if st.d_max is not None:
+    hi = (x < st.d_max).astype(F32) + 0.5 * (x == st.d_max).astype(F32)
+    m = hi if m is None else m * hi
+  return m
+
+
+def _token_loop(st: Static, body, carry, reverse: bool):
+  """carry ← body(t, carry) over the chunk's tokens (t = 0 … n − 1, or n − 1 … 0), n = C except in the last chunk
+  when T is not a multiple of C (a static count either way)."""
+  last = st.length - (st.num_chunks - 1) * st.chunk
+
+  def run(n):
+    # A while_loop over groups of `unroll` tokens with an int32 counter (a static-length fori_loop is a scan,
+    # whose counter is int64 under x64, which Mosaic rejects); the n mod unroll tokens left run on their own.
+    k = min(st.unroll, n)
+    groups = n // k
+    order = (lambda i: np.int32(n - 1) - i) if reverse else (lambda i: i)
+
+    def group(state):
+      i, x = state
+      for j in range(k):
+        x = body(order(i * np.int32(k) + np.int32(j)), x)
+      return i + np.int32(1), x
+    _, carry_out = lax.while_loop(lambda state: state[0] < np.int32(groups), group, (np.int32(0), carry))
+    for j in range(groups * k, n):
+      carry_out = body(order(np.int32(j)), carry_out)
+    return carry_out
+  if last == st.chunk:
+    return run(st.chunk)
+  chunk = st.num_chunks - 1 - pl.program_id(2) if reverse else pl.program_id(2)
+  return lax.cond(chunk == st.num_chunks - 1, lambda: run(last), lambda: run(st.chunk))
+
+
+def _refs(st: Static, refs, backward: bool):
+  it = iter(refs)
+  names = ["u"] + (["ds", "g"] if backward else []) + ["a", "c"]
+  names += (["r"] if st.mode != "none" else []) + (["o"] if st.mode == "init" else [])
+  names += (["codes"] if st.segments else []) + ([] if backward else ["d1"])
+  named = {name: next(it) for name in names}
+  named["out"], named["carry"] = next(it), next(it)
+  named["restart"] = next(it) if st.segments and not backward else None
+  return named
+
+
+def _columns(st: Static, x, t):
+  """Token t's a, c, r as [Hb, 1] columns of the chunk's head-major blocks."""
+  col = lambda name: common.take(x[name], t, 1)
+  return col("a"), col("c"), col("r") if st.mode != "none" else None
+
+
+def _forward_kernel(st: Static, *refs):
+  """u [C, Hb, K]; a, c, [r] [Hb, C]; [o [Hb, K]]; [codes [C] (SMEM)]; d1 [Hb, K] (unpacked) or [N, G, K] (HBM)
+  → ds [C, Hb, K]; scratch: d [Hb, K], [restart [Hb, K]]."""
+  x = _refs(st, refs, backward=False)
+  blocks = {name: x[name][...] for name in ("a", "c", "r") if name in x}
+  o = x["o"][...] if st.mode == "init" else None
+  h0 = pl.program_id(1) * st.block_h
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    x["carry"][...] = jnp.zeros(x["carry"].shape, F32) if st.segments else x["d1"][...]
+
+  def body(t, d):
+    if st.segments:
+      code = x["codes"][t]
+
+      @pl.when(code >= 0)
+      def _():
+        pltpu.sync_copy(x["d1"].at[code, pl.ds(h0, st.block_h), :], x["restart"])
+      d = jnp.where(jnp.full(d.shape, code, jnp.int32) >= 0, x["restart"][...], d)
+    x["out"][t] = d
+    a, c, r = _columns(st, blocks, t)
+    return clip(st, pre_clip(st, d, x["u"][t], a, c, r, o))
+
+  x["carry"][...] = _token_loop(st, body, x["carry"][...], reverse=False)
+
+
+def _backward_kernel(st: Static, *refs):
+  """u, ds, ∂L/∂ds [C, Hb, K]; a, c, [r] [Hb, C]; [o [Hb, K]]; [codes [C] (SMEM)] → μ [C, Hb, K]; scratch:
+  λ [Hb, K]."""
+  x = _refs(st, refs, backward=True)
+  blocks = {name: x[name][...] for name in ("a", "c", "r") if name in x}
+  o = x["o"][...] if st.mode == "init" else None
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    x["carry"][...] = jnp.zeros(x["carry"].shape, F32)
+
+  def body(t, lam):
+    u = x["u"][t]
+    a, c, r = _columns(st, blocks, t)
+    m = clip_grad(st, pre_clip(st, x["ds"][t], u, a, c, r, o))
+    mu = lam if m is None else m * lam
+    x["out"][t] = mu
+    p = jnp.sum(mu * u, axis=-1, keepdims=True)
+    lam = x["g"][t] + (mu if r is None else r * mu) - (c * p) * u
+    if st.segments:      # a segment's first d is d1[segment], not the previous token's output
+      lam = jnp.where(jnp.full(lam.shape, x["codes"][t], jnp.int32) >= 0, 0.0, lam)
+    return lam
+
+  x["carry"][...] = _token_loop(st, body, x["carry"][...], reverse=True)
+
+
+def call(st: Static, backward: bool, u, rows, o, codes, d1=None, ds=None, g=None):
+  """The pallas_call. u (and ds, g) [B, T, G, K]; rows: a, c, [r] head-major [B, G, Tp]; o None or [G, K]; codes
+  None or [B · NC · C'] int32 (C' = C rounded up to 128); d1 [B, G, K] or [N, G, K] (forward) → ds (forward) or
+  μ (backward) [B, T, G, K]."""
+  b, t, g_, kd = u.shape
+  c, hb, nc = st.chunk, st.block_h, st.num_chunks
+  at = (lambda j: nc - 1 - j) if backward else (lambda j: j)
+  spec = lambda block, index, **kw: pl.BlockSpec(block, lambda *grid: common.block_index(*index(*grid)), **kw)
+  tiles = spec((_SQ, c, hb, kd), lambda i, h, j: (i, at(j), h, 0))
+  row = spec((_SQ, hb, c), lambda i, h, j: (i, h, at(j)))
+  in_specs = [tiles] * (3 if backward else 1) + [row] * len(rows)
+  args = [u] + ([ds, g] if backward else []) + list(rows)
+  if o is not None:
+    in_specs.append(spec((hb, kd), lambda i, h, j: (h, 0)))
+    args.append(o)
+  if codes is not None:
+    lanes = codes.shape[0] // (b * nc)
+    in_specs.append(spec((lanes,), lambda i, h, j: (i * nc + at(j),), memory_space=pltpu.SMEM))
+    args.append(codes)
+  scratch = [pltpu.VMEM((hb, kd), F32)]
+  if not backward:
+    if codes is None:
+      in_specs.append(spec((_SQ, hb, kd), lambda i, h, j: (i, h, 0)))
+    else:
+      in_specs.append(pl.BlockSpec(memory_space=pltpu.HBM))
+      scratch.append(pltpu.VMEM((hb, kd), F32))
+    args.append(d1)
+  elems = b * st.tp * g_ * kd
+  cost = pl.CostEstimate(flops=int(elems * (14 if backward else 8)), transcendentals=0,
+                         bytes_accessed=int(4 * elems * (4 if backward else 2)))
+  kernel = _backward_kernel if backward else _forward_kernel
+  return common.pallas_call(
+      functools.partial(kernel, st), grid=(b, g_ // hb, nc), in_specs=in_specs, out_specs=tiles,
+      out_shape=jax.ShapeDtypeStruct(u.shape, F32), scratch_shapes=scratch,
+      dimension_semantics=("parallel", "parallel", "arbitrary"), interpret=st.interpret,
+      name="osdn_d_pass_bwd" if backward else "osdn_d_pass_fwd", cost_estimate=cost)(*args)
+
+
+def head_major(st: Static, *xs):
+  """[B, T, G] arrays → head-major [B, G, Tp], zeros past T (Nones dropped)."""
+  return [jnp.swapaxes(common.pad_axis(x, 1, st.tp), 1, 2) for x in xs if x is not None]
