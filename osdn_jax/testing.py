@@ -212,6 +212,22 @@ def random_problem(seed: int, *, B=2, T=64, H=2, HV=None, K=16, V=32, decay="sca
   return Problem(q, k, v, beta, kw, g, s0)
 
 
+def random_d_pass_inputs(seed: int, B: int = 2, T: int = 70, G: int = 4, K: int = 20, segments: int = 0) -> dict:
+  """Inputs of OSDN's d-pass that reach its bounds: u = k², n = ‖k‖² of spiky unit keys (normal³: large steps on
+  few channels), β = σ(z + ½) with β = 0 at every 11th token (a clipped d then stays exactly at its bound: the
+  clip's ½ gradient at a tie), APF retention r = σ(z + 4), d1 ∈ [0.5, 2] ([segments, G, K] when packed, else
+  [B, G, K]), d_init "d0" [G, K] ∈ [0.8, 1.2]; fp32."""
+  rng = np.random.default_rng(seed)
+  k = _unit(rng.normal(size=(B, T, G, K)) ** 3)
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  beta = sig(rng.normal(size=(B, T, G)) + 0.5)
+  beta[:, 7::11] = 0.0
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  u = f(k * k)
+  return dict(u=u, n=jnp.maximum(jnp.sum(u, -1), 1e-12), beta=f(beta), r=f(sig(rng.normal(size=(B, T, G)) + 4)),
+              d1=f(0.5 + 1.5 * rng.random(size=(segments or B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
+
+
 def vjp_all(fn, arrays: dict, seed: int = 1) -> dict:
   """Runs fn(**arrays) → (o, S) and pulls random cotangents back to every array input.
 

@@ -62,3 +62,13 @@ def check_segment_ids(where: str, segment_ids, shape, num_segments):
                      f"{jnp.result_type(segment_ids)} {jnp.shape(segment_ids)}")
   if not num_segments:
     raise ValueError(f"{where}: with `segment_ids`, `num_segments` (N, static) must be given")
+
+
+def static_number(where: str, name: str, x):
+  """x as a Python float (None stays None); ValueError naming `name` when x is traced or not a number."""
+  if x is None:
+    return None
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"{where}: `{name}` must be a static number, got {x!r}") from e

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kernels
 from osdn_jax.dgps import precond
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import random_d_pass_inputs, rel_rms
 from pallas_kernels.gpu import osdn
 from pallas_kernels.gpu.osdn import blocks as osdn_blocks
 from pallas_kernels.gpu.osdn import forward as osdn_forward
@@ -42,19 +42,7 @@ def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def _inputs(seed, B=2, T=70, G=4, K=20):
-  """u = k², n = ‖k‖² of spiky unit keys (normal³: large steps on few channels, so both bounds are reached),
-  β = σ(· + ½) with some β = 0 tokens (a clipped d then stays exactly at its bound: the clip's ½ gradient at
-  a tie), APF retention r = σ(· + 4), d_1 ∈ [0.5, 2], d_init [G, K] ∈ [0.8, 1.2]."""
-  rng = np.random.default_rng(seed)
-  k = _unit(rng.normal(size=(B, T, G, K)) ** 3)
-  sig = lambda x: 1 / (1 + np.exp(-x))
-  beta = sig(rng.normal(size=(B, T, G)) + 0.5)
-  beta[:, 7::11] = 0.0
-  f = lambda x: jnp.asarray(x, F32)
-  u = f(k * k)
-  return dict(u=u, n=jnp.maximum(jnp.sum(u, -1), 1e-12), beta=f(beta), r=f(sig(rng.normal(size=(B, T, G)) + 4)),
-              d1=f(0.5 + 1.5 * rng.random(size=(B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
+_inputs = random_d_pass_inputs
 
 
 def _pre_clip(a, ds, *, eta, anchor, learned_r):

@@ -18,7 +18,7 @@ import pytest
 
 from osdn_jax.dgps import precond
 from osdn_jax.ops import packing
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import random_d_pass_inputs, rel_rms
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu import osdn
@@ -33,20 +33,7 @@ def seed():
   return int(np.random.default_rng().integers(2**31))
 
 
-def _inputs(seed, B, T, G, K, segments=0):
-  """u = k², n = ‖k‖² of spiky unit keys (normal³: large steps on few channels, so the bounds are reached),
-  β = σ(z + ½) with β = 0 at every 11th token (a clipped d stays exactly at its bound: the clip's ½ gradient),
-  r = σ(z + 4), d1 ∈ [0.5, 2] ([segments, G, K] when packed), d_init [G, K] ∈ [0.8, 1.2]."""
-  rng = np.random.default_rng(seed)
-  k = rng.normal(size=(B, T, G, K)) ** 3
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  sig = lambda x: 1 / (1 + np.exp(-x))
-  beta = sig(rng.normal(size=(B, T, G)) + 0.5)
-  beta[:, 7::11] = 0.0
-  f = lambda x: jnp.asarray(x, F32)
-  u = f(k * k)
-  return dict(u=u, n=jnp.maximum(jnp.sum(u, -1), 1e-12), beta=f(beta), r=f(sig(rng.normal(size=(B, T, G)) + 4)),
-              d1=f(0.5 + 1.5 * rng.random(size=(segments or B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
+_inputs = random_d_pass_inputs
 
 
 def _values_and_grads(fn, args, seed):
@@ -239,16 +226,12 @@ def test_compiles_for_tpu(topology, shape, record_property, capsys):
   assert forward.as_text().count('custom_call_target="tpu_custom_call"') == 1
   compiled, device = _lower(topology, shapes, lambda *xs: sum(jnp.sum(x) for x in d_pass(*xs)), grad=True)
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
-  m = compiled.memory_analysis()
-  memory = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-            "temp_bytes": m.temp_size_in_bytes, "generated_code_bytes": m.generated_code_size_in_bytes}
+  memory = aot.memory_report(compiled, aot.CHIPS[topology.split(":")[0]].hbm_gib)
   record_property("memory", json.dumps(memory))
   with capsys.disabled():
     print(f"\n{topology} ({device.device_kind}) B,T,H,K={shape}: {memory}")
   state = B * T * H * K * 4
-  assert m.temp_size_in_bytes <= 2.6 * state, memory
-  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-  assert total <= aot.CHIPS[topology.split(":")[0]].hbm_gib * 2**30, memory
+  assert memory["temp_bytes"] <= 2.6 * state and memory["fits"], memory
 
 
 @needs_libtpu

@@ -102,7 +102,8 @@ def _abstract_batch(config, sharding) -> dict:
           for k in ("tokens", "targets", "segment_ids", "loss_mask")}
 
 
-def _memory(compiled, hbm_gib: float) -> dict:
+def memory_report(compiled, hbm_gib: float) -> dict:
+  """A compiled program's `memory_analysis()` in bytes, its total and whether it fits `hbm_gib` GiB of HBM."""
   m = compiled.memory_analysis()
   out = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
          "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
@@ -165,7 +166,7 @@ def compile_for_topology(config, topology: str, *, segments_per_row: int | None 
       "batch_size": config.batch_size, "seq_len": config.seq_len, "grad_accum": config.grad_accum,
       "dtype": config.dtype, "remat": config.remat, "implementation": config.implementation,
       "chunk_size": config.chunk_size, "loss_chunk": config.loss_chunk, "segments_per_row": segments_per_row,
-      "memory": _memory(compiled, chip.hbm_gib), "collectives": collectives.count(hlo, len(devices)),
+      "memory": memory_report(compiled, chip.hbm_gib), "collectives": collectives.count(hlo, len(devices)),
       "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
       "versions": {p: _version(p) for p in ("jax", "jaxlib", "libtpu")},
   }

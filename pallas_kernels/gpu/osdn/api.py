@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.arrays import static_number
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, segment_starts
 from pallas_kernels.gpu.osdn import backward, forward
 from pallas_kernels.gpu.osdn.config import DEFAULT, INTERPRET, Config
@@ -89,15 +90,6 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, con
   return ds[..., :kd], d_last[..., :kd]
 
 
-def _static_bound(name, x):
-  if x is None:
-    return None
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
-    raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be a static number, got {x!r}") from e
-
-
 def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
            config: Config | None = None, interpret: bool | None = None):
   """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
@@ -133,8 +125,9 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segm
                        f"{d1.shape}")
   if anchor not in ("zero", "init"):
     raise ValueError(f"osdn d_pass (pallas gpu): `anchor` must be 'zero' or 'init', got {anchor!r}")
-  eta = _static_bound("eta", eta)
-  d_min, d_max = _static_bound("d_min", d_min), _static_bound("d_max", d_max)
+  where = "osdn d_pass (pallas gpu)"
+  eta = static_number(where, "eta", eta)
+  d_min, d_max = static_number(where, "d_min", d_min), static_number(where, "d_max", d_max)
   interpret = default_interpret(interpret)
   config = config or (INTERPRET if interpret else DEFAULT)
   mode = "none" if retention is None else anchor

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.arrays import static_number
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES
@@ -106,15 +107,6 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   return ds, d_last
 
 
-def _static_number(name, x):
-  if x is None:
-    return None
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
-    raise ValueError(f"{NAME}: `{name}` must be a static number, got {x!r}") from e
-
-
 def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
            config: Config | None = None, interpret=None):
   """OSDN's sequential d-pass with the Pallas TPU kernels (Mosaic on a TPU, TPU interpret mode on a CPU).
@@ -157,8 +149,8 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segm
     raise ValueError(f"{NAME}: `d_init` must broadcast to [G, K] = {(g, kd)}, got {jnp.shape(d_init)}")
   if anchor not in ("zero", "init"):
     raise ValueError(f"{NAME}: `anchor` must be 'zero' or 'init', got {anchor!r}")
-  eta = _static_number("eta", eta)
-  d_min, d_max = _static_number("d_min", d_min), _static_number("d_max", d_max)
+  eta = static_number(NAME, "eta", eta)
+  d_min, d_max = static_number(NAME, "d_min", d_min), static_number(NAME, "d_max", d_max)
   if eta is None:
     raise ValueError(f"{NAME}: `eta` must be a static number, got None")
   st = static(t, g, kd, eta=eta, d_min=d_min, d_max=d_max, mode="none" if retention is None else anchor,
