@@ -448,8 +448,9 @@ def test_poison_catches_unwritten_blocks():
   assert not close(partial, want, *FP32_TOL)
 
 
-# The pallas_calls of forward + backward, per path and decay (prep also emits T; wu forms W, U from it).
-_KERNELS = ("prep", "state_fwd", "output", "wu", "dv_local", "state_bwd", "grads_state", "grads_intra")
+# The pallas_calls of forward + backward, per path and decay (prep also emits T; wu forms W, U from it; repair
+# rewrites the rows of a fault's chunk before the fault).
+_KERNELS = ("prep", "state_fwd", "output", "repair", "wu", "dv_local", "state_bwd", "grads_state", "grads_intra")
 
 
 def _expected_kernels(decay):
@@ -521,7 +522,7 @@ def test_channel_forward_lowers_to_triton(triton_lowering, capsys):
   jax.jit(jax.grad(lambda g: jnp.sum(chunk_cumsum(g, 64, -30.0, interpret=False)))).trace(
       args[-1]).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
-  assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == {"scores", "prep", "state_fwd", "output"}
+  assert set(re.findall(r"@delta_rule_(\w+)\(", ir)) == {"scores", "prep", "state_fwd", "output", "repair"}
   assert {"chunk_cumsum", "chunk_cumsum_bwd"} <= set(re.findall(r"@(chunk_cumsum\w*)\(", ir))
   assert all(verified), verified
 

@@ -184,8 +184,8 @@ def test_packed(decay, races):
 
 def test_packed_fault_stays_in_its_segment(races):
   """A NaN key in one packed segment leaves every other segment's outputs, final state and input gradients as in
-  the clean run (bit for bit: no chunk holds two segments, and the state restarts at each segment), and the
-  faulty segment's outputs from the fault on are non-finite (docs/faults.md, "pallas")."""
+  the clean run (bit for bit: no chunk holds two segments, and the state restarts at each segment), the faulty
+  segment's outputs before the fault too, and its outputs from the fault on are non-finite (docs/faults.md)."""
   from osdn_jax.ops import packing
   ids = _packed_ids(34)
   n = packing.num_segments(ids)
@@ -205,6 +205,36 @@ def test_packed_fault_stays_in_its_segment(races):
     keep = np.arange(n) != seg
     np.testing.assert_array_equal(np.asarray(got[name])[keep], np.asarray(clean[name])[keep], err_msg=name)
   assert not np.isfinite(np.asarray(got["o"])[b, t:30]).any()
+  np.testing.assert_allclose(np.asarray(got["o"])[b, 17:t], np.asarray(clean["o"])[b, 17:t], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("decay, name, value, t", [("none", "v", np.nan, 37), ("scalar", "beta", np.inf, 21),
+                                                   ("scalar", "log_decay", np.nan, 40),
+                                                   ("channel", "log_decay", np.nan, 30),
+                                                   ("channel", "k_write", -np.inf, 47), ("channel", "k", np.nan, 3)])
+def test_rows_before_a_fault_stay_clean(decay, name, value, t, races):
+  """A NaN or inf at token t (mid-chunk) leaves every output before t as in the clean run, the other batch row
+  and the other value head bit for bit, and makes the outputs of its value heads from t on and their final
+  states non-finite; a log-decay of −inf stays a gate."""
+  p = random_problem(35, B=2, T=53, H=1, HV=2, K=16, V=16, decay=decay, k_write="value")
+  a = p.arrays(jnp.float32)
+  fn = jax.jit(lambda a: tpu.delta_rule(**a, chunk_size=16, interpret=True))
+  o, S = map(np.asarray, fn(a))
+  x = np.asarray(a[name]).copy()
+  x[(1, t, 0 if name == "k" else 1) + (3,) * (x.ndim - 3)] = value
+  fo, fS = map(np.asarray, fn(dict(a, **{name: jnp.asarray(x)})))
+  heads = [0, 1] if name == "k" else [1]
+  np.testing.assert_allclose(fo[1, :t], o[1, :t], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(fo[0], o[0])
+  np.testing.assert_array_equal(fS[0], S[0])
+  if name != "k":
+    np.testing.assert_array_equal(fo[1, :, 0], o[1, :, 0])
+  assert not np.isfinite(fo[1, t:][:, heads]).all(axis=-1).any()
+  assert not np.isfinite(fS[1, heads]).all(axis=(-2, -1)).any()
+  gate = np.asarray(a["log_decay"]).copy() if decay != "none" else None
+  if gate is not None:
+    gate[(1, t, 1) + (3,) * (gate.ndim - 3)] = -np.inf
+    assert np.isfinite(np.asarray(fn(dict(a, log_decay=jnp.asarray(gate)))[0])).all()
 
 
 def test_layouts_agree():

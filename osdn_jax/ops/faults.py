@@ -14,10 +14,10 @@ The chunked XLA solve needs help to keep it: a chunk's tokens meet in matmuls, w
 is NaN, so one bad token would reach the chunk's earlier rows and (through masked products) the other packed
 sequences of its chunk. `careful` keeps the contract by construction: non-finite inputs are replaced by 0, the
 solve runs on finite inputs, and NaN is written where the contract puts it (`Poison`). All of it is element-wise
-work that fuses into the solve's own input and output passes. The Pallas kernels run without it: each of their
-programs holds one sequence (a packed segment starts on a chunk boundary of its own lane), so a fault never
-reaches another sequence, but it does reach the rows of its own chunk before it (docs/faults.md says why and
-what keeping those clean cost).
+work that fuses into the solve's own input and output passes, and a min per sequence of where its faults are.
+The Pallas kernels run without it: each of their programs holds one sequence (a packed segment starts on a chunk
+boundary of its own lane), so a fault never reaches another sequence, and they keep the rows of its own chunk
+before it themselves (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from osdn_jax.ops import packing
 
@@ -68,21 +67,24 @@ def poison(arrays: dict, segment_ids=None) -> Poison:
   for name in STATE_INPUTS:
     if arrays.get(name) is not None:
       bad = bad | _to_value_heads(_nonfinite(name, arrays[name]), hv)
-  pos = jnp.arange(t)[None, :, None]
-  last_bad = lax.cummax(jnp.where(bad, pos, -1), axis=1)
+  # Where each sequence's first fault is: a min over its tokens (a scatter-min over packed segments), not a running
+  # max along T, whose GPU lowering is a reduce-window over the whole sequence (O(T²)).
   if segment_ids is None:
-    start, end = jnp.zeros((1, 1, 1), jnp.int32), jnp.full((1, 1, 1), t - 1)
+    pos = jnp.arange(t)[None, :, None]
+    first = jnp.min(jnp.where(bad, pos, t), axis=1, keepdims=True)                  # [B, 1, HV]
+    state, poisoned = pos >= first, jnp.broadcast_to(first < t, bad.shape)
   else:
-    starts = packing.segment_starts(segment_ids)
-    ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
-    start = lax.cummax(jnp.where(starts, jnp.arange(t), 0), axis=1)[..., None]
-    end = lax.cummin(jnp.where(ends, jnp.arange(t), t - 1), axis=1, reverse=True)[..., None]
-  state = last_bad >= start
+    seg = packing.segment_index(segment_ids)                                       # [B, T]
+    pos = (jnp.arange(b)[:, None] * t + jnp.arange(t)[None, :])[..., None]         # row-major, [B, T, 1]
+    never = b * t
+    first = jnp.full((never, hv), never, jnp.int32).at[seg].min(jnp.where(bad, pos, never))[seg]
+    state, poisoned = pos >= first, first < never
   s0 = arrays.get("initial_state")
   if s0 is not None:
     s0_bad = ~jnp.all(jnp.isfinite(s0), axis=(2, 3))                            # [N or B, HV]
-    state = state | (s0_bad[:, None] if segment_ids is None else s0_bad[packing.segment_index(segment_ids)])
-  sequence = jnp.take_along_axis(state, jnp.broadcast_to(end, state.shape), axis=1)
+    s0_bad = s0_bad[:, None] if segment_ids is None else s0_bad[seg]
+    state, poisoned = state | s0_bad, poisoned | s0_bad
+  sequence = jnp.broadcast_to(poisoned, bad.shape)
   output = state | _to_value_heads(_nonfinite("q", q), hv)
   return Poison(output, state, sequence)
 

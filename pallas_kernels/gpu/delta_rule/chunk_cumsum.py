@@ -41,7 +41,8 @@ def _floor_grad(g, floor):
 
 
 def _fwd_kernel(floor, g_ref, G_ref):
-  G_ref[...] = jnp.cumsum(jnp.maximum(g_ref[...].astype(F32), floor), axis=0)
+  g = g_ref[...].astype(F32)
+  G_ref[...] = jnp.cumsum(jnp.where(g < floor, floor, g), axis=0)    # a NaN stays NaN (Triton's max drops it)
 
 
 def _bwd_kernel(floor, g_ref, dG_ref, dg_ref):

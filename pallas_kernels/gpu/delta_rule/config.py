@@ -1,8 +1,9 @@
 """Launch parameters of the delta-rule kernels, one small frozen dataclass per kernel family.
 
-They change speed, not the function (up to fp32 summation order and the chunk's rounding). A field left None is
-decided by `heuristics.py` from the request and its table of measured defaults. `Config.override` takes
-"family.field=value" strings (the benchmark runner's variants).
+They change speed, not the function (up to fp32 summation order and the chunk's rounding; `Repair.enabled`
+changes it on non-finite inputs only). A field left None is decided by `heuristics.py` from the request and its
+table of measured defaults. `Config.override` takes "family.field=value" strings (the benchmark runner's
+variants).
 """
 from __future__ import annotations
 
@@ -93,6 +94,16 @@ class Output:
 
 
 @dataclasses.dataclass(frozen=True)
+class Repair:
+  """`repair`: the rows of a fault's chunk before the fault (the function differs only on non-finite inputs)."""
+  enabled: bool = True                  # False: those rows stay non-finite (benchmarks of the launch's cost)
+  warps: int = 4                        # num_warps
+
+  def __post_init__(self):
+    _check(self, pow2=("warps",), choices=[("enabled", (True, False))])
+
+
+@dataclasses.dataclass(frozen=True)
 class Grads:
   """The gradient kernels `grads_state`, `grads_intra`, `grads_finish` (decay none / scalar), `grads_pairs`."""
   block_v: int = 128                    # V step of `grads_state` and `grads_intra`, bf16 intermediates
@@ -139,6 +150,7 @@ class Config:
   scores: Scores = Scores()
   state: State = State()
   output: Output = Output()
+  repair: Repair = Repair()
   grads: Grads = Grads()
   diagonal: Diagonal = Diagonal()
   dots: Dots = Dots()

@@ -4,7 +4,8 @@
 2. `prep`: T = (I + A)⁻¹, W, U per chunk (and T stored under autodiff);
 3. `decayed_tiles` (per-channel decay with `State.predecay`): K̃ ⊙ e^{G_C − G} for the state pass;
 4. `state_fwd`: the sequential pass over chunks (V_new, S_in, S_T);
-5. `output`: O per chunk.
+5. `output`: O per chunk;
+6. `repair`: where a value entering the state was non-finite, the rows of its chunk before it (token by token).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pallas_kernels.gpu.delta_rule import layout as L
 from pallas_kernels.gpu.delta_rule.decayed_tiles import decayed_tiles
 from pallas_kernels.gpu.delta_rule.output import output
 from pallas_kernels.gpu.delta_rule.prep import prep
+from pallas_kernels.gpu.delta_rule.repair import repair
 from pallas_kernels.gpu.delta_rule.scores import scores, takes_tiles
 from pallas_kernels.gpu.delta_rule.state_fwd import predecayed, state_pass
 
@@ -35,4 +37,6 @@ def forward(st: L.Static, q, k, kw, v, beta, G, S0, info=None, *, emit_t: bool =
     kwd = decayed_tiles(st, kw, G) if st.predecay else kw
     V_new, S_in, S_T = state_pass(st, W, U, kwd, G, S0, info, q=q if inter else None)
   o = output(st, qd, kw, G, S_in, V_new, q.dtype, inter=inter, P=P, decayed=tiles)
+  if st.config.repair.enabled:
+    o = repair(st, q, k, kw, v, beta, G, S0, info, V_new if inter else S_in, S_T, o, stored=not inter)
   return (o, S_T, T[0]) if emit_t else (o, S_T)

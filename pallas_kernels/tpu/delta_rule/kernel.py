@@ -132,9 +132,38 @@ def segment_flags(codes_ref, chunk):
   return (code & 1) != 0, (code & 2) != 0
 
 
-def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, decay: str, sub: int, low: bool):
+def _bad(x):
+  """1.0 where x is NaN or ±inf, else 0.0 (fp32)."""
+  return _ones_where(~(jnp.abs(x.astype(F32)) < jnp.inf))
+
+
+def first_fault(k, kw, v, gates_ref, ld, i, j):
+  """[1, 1] fp32: the first row of the chunk whose state inputs hold a NaN or inf (k, k̃, v, β, scalar G; the
+  log-decays ld [C, K]: NaN or +inf, since −inf is a gate at the floor), C where there is none (Mosaic reduces
+  floats, not ints)."""
+  n = k.shape[0]
+  rows = [jnp.max(_bad(x), axis=1, keepdims=True) for x in (k, v) + (() if kw is None else (kw,))]
+  gates = jnp.max(_bad(gates_ref[...]), axis=0, keepdims=True)                   # [1, C]: β (and G)
+  rows.append(_column(gates, i, j))
+  if ld is not None:
+    ldf = ld.astype(F32)
+    rows.append(jnp.max(_ones_where((ldf != ldf) | (ldf == jnp.inf)), axis=1, keepdims=True))
+  bad = functools.reduce(jnp.maximum, rows)                                       # [C, 1]
+  return jnp.min(jnp.where(bad > 0, _rows(n, 0), float(n)), axis=0, keepdims=True)
+
+
+def _rows(n: int, axis: int):
+  """Row (axis 0: [n, 1]) or column (axis 1: [1, n]) numbers as fp32."""
+  return lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis).astype(F32)
+
+
+def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, decay: str, sub: int, low: bool,
+                  sanitize: bool = False):
   """The forward's quantities of one chunk (module docstring) from its refs and the entering state s [K, BV] fp32,
-  shared by the forward and the backward kernel. Per-channel decay writes G into g_ref first. Returns a namespace:
+  shared by the forward and the backward kernel. Per-channel decay writes G into g_ref first. With sanitize (the
+  forward), the rows of the chunk from its first faulty row on (`first_fault`) are zeroed in k, k̃, v, β and the
+  decays first, so that the rows before it come out as in the clean run; `first` is that row ([1, 1], C where
+  there is none). Returns a namespace:
   q, k, kw, v as loaded; n (C); i, j ([C, C] iotas); beta_row [1, C], beta_col [C, 1]; strict, causal (the masked
   pair factors Γ, Γ'; decay none / scalar); eg (e^G: [C, 1] scalar, [C, K] per channel; None without decay),
   g_end (G_C: [1, 1] scalar, [1, K] per channel), ret (e^{G_C − G}); kk (K K̃ᵀ's masked pair sums, A = β kk),
@@ -148,20 +177,30 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
   n = q.shape[0]
   i, j = _iota(n, 0), _iota(n, 1)
   beta_row = gates_ref[0:1, :]                                       # [1, C]
+  ld = ld_ref[...] if decay == "channel" else None
+  g_row = gates_ref[1:2, :] if decay == "scalar" else None
+  first = None
+  if sanitize:
+    first = first_fault(k, None if kw_ref is k_ref else kw, v, gates_ref, ld, i, j)
+    keep_col, keep_row = _rows(n, 0) < first, _rows(n, 1) < first
+    k, kw, v = (jnp.where(keep_col, x, jnp.zeros((), x.dtype)) for x in (k, kw, v))
+    beta_row = jnp.where(keep_row, beta_row, 0.0)
+    ld = None if ld is None else jnp.where(keep_col, ld, jnp.zeros((), ld.dtype))
+    g_row = None if g_row is None else jnp.where(keep_row, g_row, 0.0)
   beta_col = _column(beta_row, i, j)                                 # [C, 1]
   strict = causal = eg = g_end = ret = None
   if decay == "channel":
-    g_ref[...] = dot(_ones_where(i >= j), jnp.maximum(ld_ref[...].astype(F32), LOG_DECAY_FLOOR),
-                     precision=HIGHEST)                              # G = in-chunk inclusive cumsum
+    ldf = ld.astype(F32)
+    g_ref[...] = dot(_ones_where(i >= j), jnp.where(ldf < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, ldf),
+                     precision=HIGHEST)                              # G = in-chunk inclusive cumsum (NaN stays)
     g = g_ref[...]
     g_end = g_ref[n - 1:n, :]                                        # G_C, [1, K]
     eg, ret = jnp.exp(g), jnp.exp(g_end - g)
-    kk = channel_scores(k_ref, kw_ref, g_ref, strict=True, sub=sub)
-    scores = channel_scores(q_ref, kw_ref, g_ref, strict=False, sub=sub, mm=mm, precision=prec)
+    kk = channel_scores(k, kw, g_ref, strict=True, sub=sub)
+    scores = channel_scores(q, kw, g_ref, strict=False, sub=sub, mm=mm, precision=prec)
     w_in, w_cols = k.astype(F32) * eg, beta_row
   else:
     if decay == "scalar":
-      g_row = gates_ref[1:2, :]
       g_col = _column(g_row, i, j)
       diff = g_col - g_row                                           # G_i − G_j, [C, C]
       strict, causal = _masked_exp(diff, i > j), _masked_exp(diff, i >= j)
@@ -179,9 +218,9 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
   w = dot(lo(t * w_cols), lo(w_in), precision=prec)                  # [C, K]
   u = dot(lo(t * beta_row), lo(v), precision=prec)                  # [C, BV]
   v_new = u - dot(lo(w), lo(s), precision=prec)
-  return types.SimpleNamespace(q=q, k=k, kw=kw, v=v, n=n, i=i, j=j, beta_row=beta_row, beta_col=beta_col,
-                               strict=strict, causal=causal, eg=eg, g_end=g_end, ret=ret, kk=kk, scores=scores,
-                               t=t, w_in=w_in, w=w, u=u, v_new=v_new, lo=lo, prec=prec)
+  return types.SimpleNamespace(q=q, k=k, kw=kw, v=v, n=n, i=i, j=j, first=first, beta_row=beta_row,
+                               beta_col=beta_col, strict=strict, causal=causal, eg=eg, g_end=g_end, ret=ret, kk=kk,
+                               scores=scores, t=t, w_in=w_in, w=w, u=u, v_new=v_new, lo=lo, prec=prec)
 
 
 def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low: bool, num_chunks: int,
@@ -217,8 +256,10 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
   s = s_ref[...]
   if save_states:
     states_ref[...] = s
-  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, low=low)
+  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, low=low,
+                    sanitize=True)
   q, kw, v_new, lo, prec, kd = f.q, f.kw, f.v_new, f.lo, f.prec, f.k.shape[1]
+  nan = jnp.asarray(np.nan, F32)
 
   if decay == "channel":
     inter = dot(lo(q.astype(F32) * f.eg), lo(s), precision=prec)
@@ -227,6 +268,9 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
     if decay == "scalar":
       inter = f.eg * inter
   o = inter + dot(lo(f.scores), lo(v_new), precision=prec)
+  # From a fault on, the chunk's rows and the state are non-finite, as in the oracle; the rows before it are
+  # the clean run's, since the chunk was solved with the fault's row and those after it zeroed.
+  o = jnp.where(_rows(f.n, 0) < f.first, o, nan)
   o_ref[...] = (scale * o).astype(o_ref.dtype)
 
   if decay == "channel":
@@ -236,6 +280,7 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
     s = jnp.exp(f.g_end) * s
     v_new = f.ret * v_new
   s = s + dot(lo(kw), lo(v_new), ta=True, precision=prec)
+  s = jnp.where(f.first < f.n, nan, s)
   s_ref[...] = s
 
   @pl.when(ends)
