@@ -208,10 +208,11 @@ def test_packed_fault_stays_in_its_segment(races):
   np.testing.assert_allclose(np.asarray(got["o"])[b, 17:t], np.asarray(clean["o"])[b, 17:t], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("decay, name, value, t", [("none", "v", np.nan, 37), ("scalar", "beta", np.inf, 21),
-                                                   ("scalar", "log_decay", np.nan, 40),
-                                                   ("channel", "log_decay", np.nan, 30),
-                                                   ("channel", "k_write", -np.inf, 47), ("channel", "k", np.nan, 3)])
+@pytest.mark.parametrize("decay, name, value, t", [
+    ("none", "v", np.nan, 37), pytest.param("scalar", "beta", np.inf, 21, marks=pytest.mark.slow),
+    ("scalar", "log_decay", np.nan, 40), ("channel", "log_decay", np.nan, 30),
+    pytest.param("channel", "k_write", -np.inf, 47, marks=pytest.mark.slow),
+    pytest.param("channel", "k", np.nan, 3, marks=pytest.mark.slow)])
 def test_rows_before_a_fault_stay_clean(decay, name, value, t, races):
   """A NaN or inf at token t (mid-chunk) leaves every output before t as in the clean run, the other batch row
   and the other value head bit for bit, and makes the outputs of its value heads from t on and their final
