@@ -75,7 +75,7 @@ def poison(arrays: dict, segment_ids=None) -> Poison:
     state, poisoned = pos >= first, jnp.broadcast_to(first < t, bad.shape)
   else:
     seg = packing.segment_index(segment_ids)                                       # [B, T]
-    pos = (jnp.arange(b)[:, None] * t + jnp.arange(t)[None, :])[..., None]         # row-major, [B, T, 1]
+    pos = (jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.arange(t, dtype=jnp.int32))[..., None]   # [B, T, 1]
     never = b * t
     first = jnp.full((never, hv), never, jnp.int32).at[seg].min(jnp.where(bad, pos, never))[seg]
     state, poisoned = pos >= first, first < never
