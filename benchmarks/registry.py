@@ -13,6 +13,7 @@ precond_key variants `pallas_kernels.gpu.precond_key.precond_key`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -218,6 +219,14 @@ def _precond(impl, variant, transform, k, beta_p, g_p, *, q=None, center=None, i
   return precond.atq_query(q, k, beta_p, g_p, initial_state=initial_state, implementation=impl)
 
 
+def _osdn_config(variant):
+  """The d-pass kernel config of an osdn variant for calls that take none (`osdn.configured`)."""
+  if variant.family != "osdn":
+    return contextlib.nullcontext()
+  from pallas_kernels.gpu import osdn
+  return osdn.configured(variant.config)
+
+
 def _end_to_end(first_pass: str | None):
   """x → (o,): the preconditioner's first pass (none, PDN, OSDN with retention r when given) and the solve."""
   def make(impl, variant):
@@ -227,7 +236,8 @@ def _end_to_end(first_pass: str | None):
         center = jnp.full((x["k"].shape[2],), CENTER, jnp.float32)
         k_write, _ = _precond(impl, variant, "pdn", x["k"], x["beta_p"], x["g_p"], center=center)
       elif first_pass == "osdn":
-        k_write, _ = precond.osdn_write_key(x["k"], x["beta"], retention=x.get("r"), implementation=impl)
+        with _osdn_config(variant):
+          k_write, _ = precond.osdn_write_key(x["k"], x["beta"], retention=x.get("r"), implementation=impl)
       o, _ = _solve(impl, variant, x["q"], x["k"], x["v"], x["beta"], k_write=k_write, log_decay=x.get("g"))
       return (o,)
     return f
@@ -338,7 +348,7 @@ def _e2e(name, doc, decay, first_pass=None, retention=False, fla=None):
       ("beta_p", "g_p") if extra == "pdn" else ()) + (("r",) if retention else ())
   return Op(name, doc, _end_to_end_inputs(decay, extra), wide=("q", "k", "v"), diff=names, outputs=("o",),
             impls=_E2E if fla else _E2E[:-1], make=_end_to_end(first_pass),
-            families=("delta_rule", "precond_key") if first_pass == "pdn" else ("delta_rule",), fla=fla)
+            families=("delta_rule",) + {"pdn": ("precond_key",), "osdn": ("osdn",)}.get(first_pass, ()), fla=fla)
 
 
 def _component(name, doc, names, wide, outputs, make, families=(), reference_max_t=REFERENCE_MAX_T, inputs=None):

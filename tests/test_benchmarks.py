@@ -148,12 +148,18 @@ def test_census_counts_a_known_dot():
 
 
 def test_a_variant_reaches_its_kernel_and_the_census_prints():
-  """precond_key:chunk=8 halves the programs of the fused key's kernels (interpret mode runs chunk 4); traced only."""
+  """precond_key:chunk=8 halves the programs of the fused key's kernels (interpret mode runs chunk 4), and
+  osdn:chain=False takes the d-pass's chain out of the osdn op; traced only."""
   op = registry.OPS["pdn_key"]
   x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
   programs = lambda v: {c.name: c.programs for c in census(op.build("pallas", v), x)}
   default, wider = programs(registry.DEFAULT), programs(registry.parse_variant("precond_key:chunk=8"))
   assert default["precond_key_apply"] == 2 * wider["precond_key_apply"] == 32
+  op = registry.OPS["osdn"]                     # an osdn variant reaches the d-pass inside osdn_write_key
+  x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
+  names = lambda v: {c.name for c in census(op.build("pallas", v), x)}
+  assert "osdn_d_pass_fwd_chain" in names(registry.DEFAULT)
+  assert "osdn_d_pass_fwd_chain" not in names(registry.parse_variant("osdn:chain=False"))
   printed = []
   run.print_census(run.Settings(ops=("dn", "d_pass"), shapes=("tiny",), modes=("fwd",)), log=printed.append)
   text = "\n".join(printed)

@@ -11,8 +11,10 @@ Token t writes with d_t; the results are ds = (d_1 … d_T) [B, T, G, K] and d_{
 the kernels run one program per (batch, head) over the whole sequence (`forward.py`, `backward.py`). Where the
 clip does not act inside a block of L tokens (unpacked), the block is the unclipped rank-one recurrence, whose
 L × L unit triangular systems depend on the inputs only: `tables.py` forms their inverses for every block at
-once, and the kernels advance one block per step (`blocks.py`), falling back to token by token (`lax.cond`) where
-a block's check fails. Results are those of the token-serial recurrence, up to block rounding, whatever the gates.
+once, and the kernels advance one block per step (`blocks.py`). The forward's serial kernel computes only the d
+entering each block, and a parallel one forms the blocks' rows and checks the clip; where a check fails anywhere,
+the single sequential kernel runs instead, token by token through the blocks where the clip acts
+(`forward.py`). Results are those of the token-serial recurrence, up to block rounding, whatever the gates.
 
 Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first token
 and the segment's d_{T+1} is stored at its last; in reverse, λ restarts from the segment's d_{T+1} cotangent at a
@@ -23,6 +25,7 @@ The guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 through
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -37,6 +40,18 @@ from pallas_kernels.gpu.osdn.loops import F32
 from pallas_kernels.spec import Spec
 
 MAX_KEY_DIM = 256                        # d [K] stays in registers
+_CONFIGS: list[Config] = []              # `configured`
+
+
+@contextlib.contextmanager
+def configured(config: Config):
+  """Within the block, calls traced without a `config` use this one (e.g. a d-pass inside
+  `osdn_jax.dgps.precond.osdn_write_key`, which takes no kernel config; the benchmark runner's variants)."""
+  _CONFIGS.append(config)
+  try:
+    yield
+  finally:
+    _CONFIGS.pop()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -129,7 +144,7 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segm
   eta = static_number(where, "eta", eta)
   d_min, d_max = static_number(where, "d_min", d_min), static_number(where, "d_max", d_max)
   interpret = default_interpret(interpret)
-  config = config or (INTERPRET if interpret else DEFAULT)
+  config = config or (_CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT))
   mode = "none" if retention is None else anchor
   return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, eta=eta, d_min=d_min, d_max=d_max,
               mode=mode, config=config, interpret=interpret)

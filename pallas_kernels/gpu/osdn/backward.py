@@ -10,8 +10,10 @@ The forward saved d_t, so s_t and d̄_{t+1} are recomputed per token off the dep
 Sequential kernel, grid (B, G): token by token, except through the blocks the forward flagged (clip derivative
 1 throughout), where it carries only λ (`blocks.block_chain`) and stores the λ entering each. Parallel kernel,
 grid (B, G, NB): the per-token gradients of every flagged block from that λ (`blocks.block_adjoint`), written in
-place into the sequential kernel's outputs. Packed: λ restarts from the segment's d_{T+1} cotangent at a last
-token and ∂d1[segment] is stored at a first.
+place into the sequential kernel's outputs. With `Config.chain` and every block flagged (no clip anywhere, the
+common case) the sequential kernel is compiled without the per-block `lax.cond` and loads each block during
+the previous one (`lax.cond` on the flags picks that kernel or the general one). Packed: λ restarts from the
+segment's d_{T+1} cotangent at a last token and ∂d1[segment] is stored at a first.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from pallas_kernels.gpu.osdn.blocks import block_adjoint, block_chain
 from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip_grad, pre_clip, sequential, sequential_tokens
 
 
-def _kernel(st, *refs):
+def _kernel(st, chain_only: bool, *refs):
+  """chain_only: every block is flagged (no per-block `lax.cond`; the block's loads issued one block early)."""
   packed, blocked = st.segments > 0, st.blocked
   (u_ref, b_ref, n_ref, r_ref, c_ref, o_ref, ds_ref, gds_ref, gl_ref, tb_ref, wb_ref, gm_ref, ok_ref,
    du_ref, db_ref, dn_ref, dr_ref, dd1_ref, do_ref, lam_ref) = split_refs(
@@ -89,10 +92,10 @@ def _kernel(st, *refs):
       def chain():                        # λ only; `_blocks_kernel` forms the block's gradients from λ_L
         lam_ref[blk, :] = carry[0]
         return block_chain(st, u, g, b, n, r, carry[0], tb, wb, gm), carry[1]
-      return lax.cond(ok_ref[blk] != 0, chain, serial)
+      return chain() if chain_only else lax.cond(ok_ref[blk] != 0, chain, serial)
 
     carry = sequential_tokens(st, load, step, nb * Lb, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
-    lam, acc_o = block_loop(nb, fetch, block, carry, prefetch=False, reverse=True)
+    lam, acc_o = block_loop(nb, fetch, block, carry, prefetch=chain_only, reverse=True)
   else:
     lam, acc_o = sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, bt)
   if not packed:
@@ -125,10 +128,14 @@ def backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last):
   out_shape = [rows, scal, scal] + ([scal] if st.has_r else []) + [vec] + \
       ([jax.ShapeDtypeStruct((b, g, k), F32)] if st.has_o else []) + \
       ([jax.ShapeDtypeStruct((b, nb, g, k), F32)] if blocked else [])
-  outs = list(pallas_call(
-      functools.partial(_kernel, st), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
+  call = lambda chain_only: list(pallas_call(
+      functools.partial(_kernel, st, chain_only), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, num_warps=st.warps, num_stages=1,
-      name="osdn_d_pass_bwd")(*args))
+      name="osdn_d_pass_bwd_chain" if chain_only else "osdn_d_pass_bwd")(*args))
+  if blocked and st.config.chain:
+    outs = lax.cond(jnp.all(smooth != 0), lambda: call(True), lambda: call(False))
+  else:
+    outs = call(False)
   du, dbeta, dn = outs[:3]
   dr = outs[3] if st.has_r else None
   dd1 = outs[3 + st.has_r]

@@ -56,6 +56,23 @@ def block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   return D, clip(st, last_row(d_bar)), worst < 2.0, worst < 1.0
 
 
+def block_end(st, u, b, n, r, tf, wf, o, d):
+  """d_L [K], the d entering the next block, from d [K] entering this one, assuming the clip does not act in
+  the block (`block_solve` checks that): the dependency chain of `block_solve` alone. With s = tf U δ_0 + wf
+  and coef = α − c ⊙ s as there, δ_L = P_L δ_0 + Σ_j Q_j coef_j u_j (P_L = Π_{i<L} a_i, Q_j = Π_{j<i<L} a_i).
+  u [L, K], b, n, r [L] (r None: a ≡ 1), tf [L, L], wf [L], o [K] or None."""
+  anchor = jnp.zeros_like(d) if o is None else o
+  delta0 = d - anchor
+  s = jnp.sum(tf * jnp.sum(u * delta0[None, :], axis=1)[None, :], axis=1) + wf
+  coef = st.eta * b * (1.0 - b * s) / n
+  if r is not None:
+    L = u.shape[0]
+    la = tables.log_retention(r)
+    coef = coef * tables.prefix_products(la, 0, L, False)
+    delta0 = jnp.exp(jnp.sum(la)) * delta0
+  return anchor + delta0 + jnp.sum(coef[:, None] * u, axis=0)
+
+
 def block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   """L tokens of the backward at once, when the clip's derivative is 1 for every channel and token of the
   block (every d̄_{t+1} strictly inside the bounds, padded channels aside: checked, ok; else the block runs

@@ -1,9 +1,19 @@
-"""The d-pass forward kernel, grid (B, G): one program per (batch, head) carries d [K] in registers through the
-whole sequence, token by token (`loops.sequential`) or a block of `solve_t` tokens per step where the clip does
-not act (`blocks.block_solve`, with the block's loads issued during the previous block). It stores the d_t each
-token writes with, d_{T+1}, and per block a flag for the split backward: 1 where the clip's derivative is 1
-throughout the block. Packed: per-token codes restart d from d1[segment] at a segment's first token and store
-its d_{T+1} at its last.
+"""The d-pass forward kernels, grid (B, G) for the serial ones: one program per (batch, head) carries d [K] in
+registers through the whole sequence.
+
+Unpacked with block solves (`Config.chain`, the default), three launches: the chain (`_chain_kernel`) advances
+one block of L = `solve_t` tokens per step and computes only the d entering the next block, which is all the
+dependency chain needs (two matrix-vector products and a weighted row sum, see `blocks.block_end`); the
+expansion (`_expand_kernel`, grid (B, G, NB)) forms every block's rows d_t from the d entering it, checks that
+the clip acts nowhere in the block (`blocks.block_solve`) and sets the backward's per-block flag. If a check
+fails anywhere, the unclipped chain was wrong from that block on, and the call falls back to the single
+sequential kernel (`_kernel`), which runs each block as a solve or token by token (`lax.cond` per block, with
+the block's loads issued during the previous block). The T mod L tokens after the last block run token by
+token in either. Packed: per-token codes restart d from d1[segment] at a segment's first token and store its
+d_{T+1} at its last (the sequential kernel, token by token).
+
+Both paths store the d_t each token writes with, d_{T+1}, and per block a flag for the split backward: 1 where
+the clip's derivative is 1 throughout the block.
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gpu.common import pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
 from pallas_kernels.gpu.osdn import tables
-from pallas_kernels.gpu.osdn.blocks import block_solve
+from pallas_kernels.gpu.osdn.blocks import block_end, block_solve
 from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip, pre_clip, sequential, sequential_tokens
 
 
@@ -79,21 +89,106 @@ def _kernel(st, *refs):
     dl_ref[...] = sequential(st, load, step, d1, False, bt)
 
 
+def _token_fns(st, u_ref, b_ref, n_ref, r_ref, o, ds_ref):
+  """(load, step) of the unpacked token-by-token recurrence: step stores d_t and returns clip(d̄_{t+1})."""
+  def load(t):
+    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, None, None
+
+  def step(t, x, d):
+    u, b, n, r, _, _ = x
+    ds_ref[t, :] = d
+    return clip(st, pre_clip(st, d, u, b, n, r, o)[0])
+  return load, step
+
+
+def _chain_kernel(st, *refs):
+  """The d entering every block ([NB, K]) by the unclipped block recurrence, then the T mod L tokens after the
+  last block token by token (their rows of ds, and d_{T+1})."""
+  u_ref, b_ref, n_ref, r_ref, d1_ref, o_ref, tf_ref, wf_ref, ds_ref, dl_ref, db_ref = split_refs(
+      refs, 1, 1, 1, st.has_r, 1, st.has_o, 1, 1, 1, 1, 1)
+  o = o_ref[...] if st.has_o else None
+  Lb = st.solve_t
+  nb, rem = divmod(st.length, Lb)
+
+  def fetch(i):
+    rows = pl.ds(i * Lb, Lb)
+    return (u_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
+            wf_ref[i, :])
+
+  def block(i, x, d):
+    db_ref[i, :] = d
+    return block_end(st, *x, o, d)
+
+  d = block_loop(nb, fetch, block, d1_ref[...].astype(F32), prefetch=True)
+  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, o, ds_ref)
+  dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, st.config.block_t, d)
+
+
+def _expand_kernel(st, *refs):
+  """One block's rows of ds from the d entering it, its check (ok) and the backward's flag (smooth)."""
+  u_ref, b_ref, n_ref, r_ref, o_ref, tf_ref, wf_ref, gm_ref, d_ref, _ds, ds_ref, ok_ref, sm_ref = split_refs(
+      refs, 1, 1, 1, st.has_r, st.has_o, 1, 1, st.has_r, 1, 1, 1, 1, 1)
+  i = pl.program_id(2)
+  D, _, ok, smooth = block_solve(
+      st, u_ref[...], b_ref[...], n_ref[...], r_ref[...] if st.has_r else None, o_ref[...] if st.has_o else None,
+      d_ref[...], tf_ref[...], wf_ref[...], gm_ref[...] if st.has_r else None)
+  ds_ref[...] = D
+  ok_ref[i] = ok.astype(jnp.int32)
+  sm_ref[i] = smooth.astype(jnp.int32)
+
+
+def _chained(st, u, n, beta, r, d1, o, tabs):
+  """(ds, d_{T+1}, flags, ok [B, NB, G] int32): the chain, then the expansion in place into its ds."""
+  b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  nb = st.num_blocks
+  tf, wf = tabs[:2]
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  ds, d_last, d_blocks = pallas_call(
+      functools.partial(_chain_kernel, st), grid=(b, g),
+      in_specs=[L.rows(st), L.scalars(st), L.scalars(st)] + ([L.scalars(st)] if st.has_r else []) +
+      [L.head_vec(st)] + ([L.param_vec(st)] if st.has_o else []) + L.table_specs(st)[:2],
+      out_specs=[L.rows(st), L.head_vec(st), L.per_block(st, k)],
+      out_shape=[f32(b, t, g, k), f32(b, g, k), f32(b, nb, g, k)],
+      interpret=st.interpret, num_warps=st.warps, num_stages=1, name="osdn_d_pass_fwd_chain")(
+          *([u, beta, n] + ([r] if st.has_r else []) + [d1] + ([o] if st.has_o else []) + [tf, wf]))
+  spec = L.block_specs(st)
+  args = [u, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + list(tabs) + [d_blocks, ds]
+  in_specs = [spec["rows"], spec["scal"], spec["scal"]] + ([spec["scal"]] if st.has_r else []) + \
+      ([spec["param"]] if st.has_o else []) + [spec["square"], spec["vec"]] + \
+      ([spec["square"]] if st.has_r else []) + [spec["vec_k"], spec["rows"]]
+  flags = jax.ShapeDtypeStruct((b, nb, g), jnp.int32)
+  ds, ok, smooth = pallas_call(
+      functools.partial(_expand_kernel, st), grid=(b, g, nb), in_specs=in_specs,
+      out_specs=[spec["rows"], spec["flags"], spec["flags"]], out_shape=[f32(b, t, g, k), flags, flags],
+      interpret=st.interpret, num_warps=st.config.warps_solve, num_stages=1, name="osdn_d_pass_fwd_expand",
+      input_output_aliases={len(args) - 1: 0})(*args)
+  return ds, d_last, smooth, ok
+
+
 def forward(st, u, n, beta, r, codes, d1, o, differentiated=False):
   """→ ((saved, Γ) of `tables.forward` for the backward, kernel outputs: ds, d_{T+1}[, per-block flags])."""
-  packed = st.segments > 0
   tabs, saved = [], (None, None)
   if st.blocked:
     tf, wf, gamma, shared = tables.forward(st, u, n, beta, r, o, differentiated=differentiated)
     tabs = [tf, wf] + ([gamma] if st.has_r else [])
     saved = (shared, gamma) if shared is not None else saved
+    if st.config.chain:
+      ds, d_last, smooth, ok = _chained(st, u, n, beta, r, d1, o, tabs)
+      return saved, lax.cond(jnp.all(ok != 0), lambda: [ds, d_last, smooth],
+                             lambda: list(_sequential(st, u, n, beta, r, codes, d1, o, tabs)))
+  return saved, _sequential(st, u, n, beta, r, codes, d1, o, tabs)
+
+
+def _sequential(st, u, n, beta, r, codes, d1, o, tabs):
+  """The single sequential kernel's outputs: ds, d_{T+1}[, per-block flags]."""
+  packed = st.segments > 0
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
       ([o] if st.has_o else []) + tabs
   in_specs = [L.rows(st), L.scalars(st), L.scalars(st)] + ([L.scalars(st)] if st.has_r else []) + \
       ([L.codes(st)] if packed else []) + [L.head_vec(st)] + ([L.param_vec(st)] if st.has_o else []) + \
       (L.table_specs(st) if tabs else [])
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
-  return saved, pallas_call(
+  return pallas_call(
       functools.partial(_kernel, st), grid=(b, g), in_specs=in_specs,
       out_specs=[L.rows(st), L.head_vec(st)] + ([L.per_block(st)] if st.blocked else []),
       out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
