@@ -224,20 +224,24 @@ def test_block_solve_hypothesis():
     _assert_close(got, want, names)
 
 
-@pytest.mark.parametrize("mode", ["none", "zero", "init"])
-def test_chain_and_fallback(mode):
+@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero",
+                                  pytest.param("init", marks=pytest.mark.slow)])
+def test_chain_and_restart(mode):
   """The forward's chain and expansion (`forward._chained`: the d entering each block by the unclipped block
-  recurrence, then every block's rows and checks in parallel). With bounds the d-pass never reaches, every
-  block passes and ds, d_{T+1} and the backward's flags equal the single sequential kernel's (and the scan's, in
-  values and in gradients through the backward's chain-only kernel). With bounds it reaches, a block fails, and
-  `forward.forward` returns the sequential kernel's results. T = 53: three blocks of 16 and a tail of 5."""
+  recurrence, then every block's rows and checks in parallel), then the sequential kernel from each (batch,
+  head)'s first failed block. With bounds the d-pass never reaches, every block passes, the sequential kernel
+  changes nothing, and ds, d_{T+1} and the backward's flags equal the sequential kernel's from the start (and the
+  scan's, in values and in gradients through the backward's chain-only kernel). With d_1 = 1 and bounds that
+  head 0 reaches after its first block (β = 0 there) and head 1 (β = 0 throughout) never does, head 0 restarts
+  at its first failed block from the d the chain stored for it and head 1 keeps the chain's results; both equal
+  the scan. T = 53: three blocks of 16 and a tail of 5."""
   a = _inputs(31, T=53, G=2, K=16)
   learned_r = mode != "none"
   anchor = "init" if mode == "init" else "zero"
-  r = a["r"] if learned_r else None
   o = a["d0"] if mode == "init" else None
 
   def run(eta, lo, hi):
+    r = a["r"] if learned_r else None
     st = Static(batch=2, length=53, heads=2, key_dim=16, eta=eta, d_min=lo, d_max=hi, mode=mode,
                 config=osdn.INTERPRET, interpret=True)
     tabs = osdn_tables.forward(st, a["u"], a["n"], a["beta"], r, o)
@@ -246,19 +250,25 @@ def test_chain_and_fallback(mode):
     chained = osdn_forward._chained(st, a["u"], a["n"], a["beta"], r, a["d1"], o, tabs)
     return chained, osdn_forward._sequential(*args, tabs), osdn_forward.forward(*args)[1]
 
-  (ds, d_last, smooth, ok), sequential, chosen = run(0.8, -50.0, 50.0)
+  (ds, d_last, smooth, ok, _), sequential, chosen = run(0.8, -50.0, 50.0)
   assert np.all(np.asarray(ok) == 1) and ok.shape == (2, 3, 2)
   for x, y in zip((ds, d_last), sequential[:2]):
     assert rel_rms(x, y) < TOL
   np.testing.assert_array_equal(smooth, sequential[2])
-  np.testing.assert_array_equal(chosen[0], ds)                    # the chained results were taken
+  for x, y in zip(chosen, (ds, d_last, smooth)):                  # nothing restarted
+    np.testing.assert_array_equal(x, y)
   got, want, names = _both(a, learned_r=learned_r, eta=0.8, d_min=-50.0, d_max=50.0, anchor=anchor)
   _assert_close(got, want, names)
-  (ds, _, _, ok), sequential, chosen = run(8.0, 0.0, 1.5)
-  assert not np.all(np.asarray(ok) == 1)
-  assert rel_rms(ds, sequential[0]) > 1e-3                         # the unclipped chain went wrong …
-  for x, y in zip(chosen, sequential):                             # … and the sequential kernel ran instead
-    np.testing.assert_array_equal(x, y)
+  a["beta"], a["d1"] = a["beta"].at[:, :, 1].set(0.0).at[:, :16, 0].set(0.0), a["d1"].at[:].set(1.0)
+  (ds, _, _, ok, _), sequential, chosen = run(8.0, 0.0, 1.5)
+  first = np.asarray(osdn_forward.first_failed(ok))[..., 0]
+  assert np.all((first[:, 0] >= 1) & (first[:, 0] < 3)) and np.all(first[:, 1] == 3), first
+  assert rel_rms(ds[:, :, 0], sequential[0][:, :, 0]) > 1e-3       # the unclipped chain went wrong in head 0
+  np.testing.assert_array_equal(chosen[0][:, :, 1], ds[:, :, 1])   # head 1: the chain's rows
+  for x, y in zip(chosen, sequential):
+    assert rel_rms(x, y) < TOL
+  got, want, names = _both(a, learned_r=learned_r, eta=8.0, d_min=0.0, d_max=1.5, anchor=anchor)
+  _assert_close(got, want, names)
 
 
 @pytest.mark.parametrize("mode,L", [("none", 32), ("zero", 16), ("init", 32)])
@@ -422,9 +432,10 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
           sd(b, t, dtype=jnp.int32))
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
-  assert "@osdn_d_pass_fwd(" in ir and "@osdn_d_pass_bwd(" in ir
+  assert "@osdn_d_pass_bwd(" in ir
   blocked = not packed
-  assert all((f"@osdn_d_pass_{x}(" in ir) == blocked for x in ("fwd_chain", "fwd_expand", "bwd_chain"))
+  assert all((f"@osdn_d_pass_{x}(" in ir) == blocked for x in ("fwd_chain", "fwd_expand", "fwd_restart", "bwd_chain"))
+  assert ("@osdn_d_pass_fwd(" in ir) == packed
   assert ("@osdn_d_pass_fwd_tables(" in ir and "@osdn_d_pass_bwd_rhs(" in ir) == blocked   # share_inverse
   assert "scf.for" in ir and (not packed or "scf.if" in ir)
   assert all(verified), verified

@@ -12,9 +12,9 @@ the kernels run one program per (batch, head) over the whole sequence (`forward.
 clip does not act inside a block of L tokens (unpacked), the block is the unclipped rank-one recurrence, whose
 L × L unit triangular systems depend on the inputs only: `tables.py` forms their inverses for every block at
 once, and the kernels advance one block per step (`blocks.py`). The forward's serial kernel computes only the d
-entering each block, and a parallel one forms the blocks' rows and checks the clip; where a check fails anywhere,
-the single sequential kernel runs instead, token by token through the blocks where the clip acts
-(`forward.py`). Results are those of the token-serial recurrence, up to block rounding, whatever the gates.
+entering each block, and a parallel one forms the blocks' rows and checks the clip; from a (batch, head)'s first
+block where the check fails, the sequential kernel takes over, token by token through the blocks where the clip
+acts (`forward.py`). Results are those of the token-serial recurrence, up to block rounding, whatever the gates.
 
 Packed sequences: one int32 code per token (segment, first, last): d restarts from d1[segment] at a first token
 and the segment's d_{T+1} is stored at its last; in reverse, λ restarts from the segment's d_{T+1} cotangent at a

@@ -22,7 +22,7 @@ class Config:
   warps_tables: int = 4           # warps of the tables' kernel (one program per block)
   tables: str = "auto"            # tables from "kernel", "xla" (batched triangular solves) or "auto" (`tables.implementation`)
   share_inverse: bool = True      # under autodiff the forward's tables also form the backward's inverse
-  chain: bool = True              # block solves as a d / λ chain plus parallel kernels, falling back where a clip acts
+  chain: bool = True              # block solves as a d / λ chain plus parallel kernels; serial again where a clip acts
 
   def __post_init__(self):
     for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables"):

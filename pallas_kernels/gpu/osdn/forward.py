@@ -5,12 +5,14 @@ Unpacked with block solves (`Config.chain`, the default), three launches: the ch
 one block of L = `solve_t` tokens per step and computes only the d entering the next block, which is all the
 dependency chain needs (two matrix-vector products and a weighted row sum, see `blocks.block_end`); the
 expansion (`_expand_kernel`, grid (B, G, NB)) forms every block's rows d_t from the d entering it, checks that
-the clip acts nowhere in the block (`blocks.block_solve`) and sets the backward's per-block flag. If a check
-fails anywhere, the unclipped chain was wrong from that block on, and the call falls back to the single
-sequential kernel (`_kernel`), which runs each block as a solve or token by token (`lax.cond` per block, with
-the block's loads issued during the previous block). The T mod L tokens after the last block run token by
-token in either. Packed: per-token codes restart d from d1[segment] at a segment's first token and store its
-d_{T+1} at its last (the sequential kernel, token by token).
+the clip acts nowhere in the block (`blocks.block_solve`) and sets the backward's per-block flag. Where a
+block fails its check, the unclipped chain of that (batch, head) was wrong from that block on: the sequential
+kernel (`_kernel` with restart) takes over there, from the d the chain stored for the block, running each
+block as a solve or token by token (`lax.cond` per block, with the block's loads issued during the previous
+block); its programs without a failed block end at once. Without `Config.chain` the sequential kernel runs
+the whole sequence alone. The T mod L tokens after the last block run token by token. Packed: per-token codes
+restart d from d1[segment] at a segment's first token and store its d_{T+1} at its last (the sequential
+kernel, token by token).
 
 Both paths store the d_t each token writes with, d_{T+1}, and per block a flag for the split backward: 1 where
 the clip's derivative is 1 throughout the block.
@@ -24,17 +26,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.common import pallas_call, split_refs
+from pallas_kernels.gpu.common import SQUEEZED, pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
 from pallas_kernels.gpu.osdn import tables
 from pallas_kernels.gpu.osdn.blocks import block_end, block_solve
 from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip, pre_clip, sequential, sequential_tokens
 
 
-def _kernel(st, *refs):
+def _kernel(st, restart: bool, *refs):
+  """restart: after the chain (blocked, unpacked), from each program's first block that failed its check, with
+  the d the chain stored for it; ds, d_{T+1} and the flags come in aliased, and a program without such a block
+  leaves them as they are."""
   packed, blocked = st.segments > 0, st.blocked
-  u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, tf_ref, wf_ref, gm_ref, ds_ref, dl_ref, sm_ref = split_refs(
-      refs, 1, 1, 1, st.has_r, packed, 1, st.has_o, blocked, blocked, blocked and st.has_r, 1, 1, blocked)
+  (u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o_ref, tf_ref, wf_ref, gm_ref, start_ref, db_ref, _ds, _dl, _sm,
+   ds_ref, dl_ref, sm_ref) = split_refs(
+      refs, 1, 1, 1, st.has_r, packed, 1, st.has_o, blocked, blocked, blocked and st.has_r, restart, restart,
+      restart, restart, restart, 1, 1, blocked)
   o = o_ref[...] if st.has_o else None
 
   def load(t):
@@ -83,8 +90,16 @@ def _kernel(st, *refs):
         return sequential_tokens(st, load, step, i * Lb, Lb, bt, d)
       return lax.cond(ok, accept, serial)
 
-    d = block_loop(nb, fetch, block, d1, prefetch=True)
-    dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, bt, d)
+    if restart:
+      start = jnp.max(start_ref[...])
+
+      @pl.when(start < nb)
+      def _():
+        d = block_loop(nb, fetch, block, db_ref[start, :], prefetch=True, start=start)
+        dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, bt, d)
+    else:
+      d = block_loop(nb, fetch, block, d1, prefetch=True)
+      dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, bt, d)
   else:
     dl_ref[...] = sequential(st, load, step, d1, False, bt)
 
@@ -138,7 +153,8 @@ def _expand_kernel(st, *refs):
 
 
 def _chained(st, u, n, beta, r, d1, o, tabs):
-  """(ds, d_{T+1}, flags, ok [B, NB, G] int32): the chain, then the expansion in place into its ds."""
+  """(ds, d_{T+1}, flags, ok [B, NB, G] int32, d entering each block [B, NB, G, K]): the chain, then the
+  expansion in place into its ds."""
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   nb = st.num_blocks
   tf, wf = tabs[:2]
@@ -162,7 +178,7 @@ def _chained(st, u, n, beta, r, d1, o, tabs):
       out_specs=[spec["rows"], spec["flags"], spec["flags"]], out_shape=[f32(b, t, g, k), flags, flags],
       interpret=st.interpret, num_warps=st.config.warps_solve, num_stages=1, name="osdn_d_pass_fwd_expand",
       input_output_aliases={len(args) - 1: 0})(*args)
-  return ds, d_last, smooth, ok
+  return ds, d_last, smooth, ok, d_blocks
 
 
 def forward(st, u, n, beta, r, codes, d1, o, differentiated=False):
@@ -173,25 +189,40 @@ def forward(st, u, n, beta, r, codes, d1, o, differentiated=False):
     tabs = [tf, wf] + ([gamma] if st.has_r else [])
     saved = (shared, gamma) if shared is not None else saved
     if st.config.chain:
-      ds, d_last, smooth, ok = _chained(st, u, n, beta, r, d1, o, tabs)
-      return saved, lax.cond(jnp.all(ok != 0), lambda: [ds, d_last, smooth],
-                             lambda: list(_sequential(st, u, n, beta, r, codes, d1, o, tabs)))
+      ds, d_last, smooth, ok, d_blocks = _chained(st, u, n, beta, r, d1, o, tabs)
+      return saved, _sequential(st, u, n, beta, r, codes, d1, o, tabs,
+                                restart=(first_failed(ok), d_blocks, ds, d_last, smooth))
   return saved, _sequential(st, u, n, beta, r, codes, d1, o, tabs)
 
 
-def _sequential(st, u, n, beta, r, codes, d1, o, tabs):
-  """The single sequential kernel's outputs: ds, d_{T+1}[, per-block flags]."""
+def first_failed(ok):
+  """[B, G, 16] int32: per (batch, head) the first block whose check failed (NB: none), repeated on a last axis
+  of 16 for the kernel's load."""
+  nb = ok.shape[1]
+  first = jnp.min(jnp.where(ok == 0, jnp.arange(nb, dtype=jnp.int32)[None, :, None], nb), axis=1)
+  return jnp.broadcast_to(first[..., None], first.shape + (16,)).astype(jnp.int32)
+
+
+def _sequential(st, u, n, beta, r, codes, d1, o, tabs, restart=None):
+  """The sequential kernel's outputs: ds, d_{T+1}[, per-block flags]. restart: (first failed blocks, d entering
+  each block, ds, d_{T+1}, flags) of the chain and the expansion, which the kernel updates in place from each
+  program's first failed block on."""
   packed = st.segments > 0
   args = [u, beta, n] + ([r] if st.has_r else []) + ([codes] if packed else []) + [d1] + \
-      ([o] if st.has_o else []) + tabs
+      ([o] if st.has_o else []) + tabs + list(restart or ())
   in_specs = [L.rows(st), L.scalars(st), L.scalars(st)] + ([L.scalars(st)] if st.has_r else []) + \
       ([L.codes(st)] if packed else []) + [L.head_vec(st)] + ([L.param_vec(st)] if st.has_o else []) + \
       (L.table_specs(st) if tabs else [])
+  out_specs = [L.rows(st), L.head_vec(st)] + ([L.per_block(st)] if st.blocked else [])
+  if restart:
+    in_specs += [pl.BlockSpec((SQUEEZED, SQUEEZED, 16), lambda b, g: (b, g, 0)), L.per_block(st, st.key_dim)]
+    in_specs += out_specs
   b, t, g, k = st.batch, st.length, st.heads, st.key_dim
   return pallas_call(
-      functools.partial(_kernel, st), grid=(b, g), in_specs=in_specs,
-      out_specs=[L.rows(st), L.head_vec(st)] + ([L.per_block(st)] if st.blocked else []),
+      functools.partial(_kernel, st, restart is not None), grid=(b, g), in_specs=in_specs, out_specs=out_specs,
       out_shape=[jax.ShapeDtypeStruct((b, t, g, k), F32),
                  jax.ShapeDtypeStruct((st.segments or b, g, k), F32)] +
       ([jax.ShapeDtypeStruct((b, st.num_blocks, g), jnp.int32)] if st.blocked else []),
-      interpret=st.interpret, num_warps=st.warps, num_stages=1, name="osdn_d_pass_fwd")(*args)
+      interpret=st.interpret, num_warps=st.warps, num_stages=1,
+      name="osdn_d_pass_fwd_restart" if restart else "osdn_d_pass_fwd",
+      input_output_aliases={len(args) - 3 + i: i for i in range(3)} if restart else None)(*args)

@@ -76,13 +76,13 @@ def clip_grad(st, x):
   return m
 
 
-def block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False):
-  """carry ← body(i, fetch(i), carry) over the blocks i = 0 … nb − 1 (nb − 1 … 0 when reverse). With
-  prefetch, block i's loads (everything but the carry, which they do not depend on) are issued
-  one iteration early, during the previous block's math, so their memory latency is off the dependency chain;
-  the loop then carries them (twice the registers for the block's tiles)."""
+def block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False, start=None):
+  """carry ← body(i, fetch(i), carry) over the blocks i = 0 … nb − 1 (nb − 1 … 0 when reverse; from a traced
+  `start` on when given, forward only). With prefetch, block i's loads (everything but the carry, which they do
+  not depend on) are issued one iteration early, during the previous block's math, so their memory latency is
+  off the dependency chain; the loop then carries them (twice the registers for the block's tiles)."""
   order = (lambda i: nb - 1 - i) if reverse else (lambda i: i)
-  zero, count = jnp.int32(0), jnp.int32(nb)
+  zero, count = (jnp.int32(0) if start is None else start), jnp.int32(nb)
   if not prefetch:
     return lax.fori_loop(zero, count, lambda i, c: body(order(i), fetch(order(i)), c), carry)
 
