@@ -43,26 +43,7 @@ def _kernel(st, restart: bool, *refs):
       refs, 1, 1, 1, st.has_r, packed, 1, st.has_o, blocked, blocked, blocked and st.has_r, restart, restart,
       restart, restart, restart, 1, 1, blocked)
   o = o_ref[...] if st.has_o else None
-
-  def load(t):
-    code = L.decode(c_ref[t]) if packed else None
-    d1 = d1_ref[code[0], :] if packed else None
-    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, code, d1
-
-  def step(t, x, d):
-    u, b, n, r, code, d1 = x
-    if packed:                            # a segment's first token starts from its own d1
-      seg, first, last = code
-      d = jnp.where(first, d1, d)
-    d_bar, _, _ = pre_clip(st, d, u, b, n, r, o)
-    ds_ref[t, :] = d
-    d_next = clip(st, d_bar)
-    if packed:
-      @pl.when(last)
-      def _():                            # a segment's last token leaves its d_{T+1}
-        dl_ref[seg, :] = d_next
-    return d_next
-
+  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o, ds_ref, dl_ref)
   bt = st.config.block_t
   d1 = None if packed else d1_ref[...].astype(F32)
   if packed:
@@ -104,15 +85,28 @@ def _kernel(st, restart: bool, *refs):
     dl_ref[...] = sequential(st, load, step, d1, False, bt)
 
 
-def _token_fns(st, u_ref, b_ref, n_ref, r_ref, o, ds_ref):
-  """(load, step) of the unpacked token-by-token recurrence: step stores d_t and returns clip(d̄_{t+1})."""
+def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o, ds_ref, dl_ref):
+  """(load, step) of the token-by-token recurrence: step stores d_t and returns clip(d̄_{t+1}); packed (c_ref
+  not None), a segment's first token starts from its d1 and its last stores its d_{T+1}."""
+  packed = c_ref is not None
+
   def load(t):
-    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, None, None
+    code = L.decode(c_ref[t]) if packed else None
+    d1 = d1_ref[code[0], :] if packed else None
+    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, code, d1
 
   def step(t, x, d):
-    u, b, n, r, _, _ = x
+    u, b, n, r, code, d1 = x
+    if packed:                            # a segment's first token starts from its own d1
+      seg, first, last = code
+      d = jnp.where(first, d1, d)
     ds_ref[t, :] = d
-    return clip(st, pre_clip(st, d, u, b, n, r, o)[0])
+    d_next = clip(st, pre_clip(st, d, u, b, n, r, o)[0])
+    if packed:
+      @pl.when(last)
+      def _():                            # a segment's last token leaves its d_{T+1}
+        dl_ref[seg, :] = d_next
+    return d_next
   return load, step
 
 
@@ -135,7 +129,7 @@ def _chain_kernel(st, *refs):
     return block_end(st, *x, o, d)
 
   d = block_loop(nb, fetch, block, d1_ref[...].astype(F32), prefetch=True)
-  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, o, ds_ref)
+  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, None, None, o, ds_ref, None)
   dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, st.config.block_t, d)
 
 
