@@ -193,6 +193,34 @@ def test_remat_policies_equal_no_remat(variant):
       assert rel_rms(a, b) < 1e-5, (policy, rel_rms(a, b))     # recomputation may fuse (round) differently
 
 
+@pytest.mark.parametrize("point,extra", [("pdn", 2), ("osdn", 4)])
+def test_solve_policies_keep_the_first_pass(point, extra, capsys):
+  """Under "solve" and "dots_solve" a block keeps the preconditioner's first pass for its backward (named
+  "precond_pass"): PDN's write key and its chunk carries; OSDN's write key and the d-pass kernels' d, flags and
+  tables. So the backward reruns none of the first pass's kernels (Pallas, interpret mode here)."""
+  from jax.ad_checkpoint import print_saved_residuals
+  from osdn_jax import ops
+  from osdn_jax.dgps import precond
+  rng = np.random.default_rng(0)
+  k, v = (jnp.asarray(rng.normal(size=(1, 64, 2, 16)), F32) for _ in range(2))
+  beta = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(1, 64, 2)), F32))
+
+  def block(k, beta):
+    if point == "pdn":
+      key, _ = precond.pdn_write_key(k, beta, jnp.log(beta), 0.1, implementation="pallas")
+    else:
+      key, _ = precond.osdn_write_key(k, beta, implementation="pallas")
+    return jnp.sum(ops.delta_rule(k, k, v, beta, k_write=key, implementation="pallas")[0])
+
+  def saved(policy):
+    print_saved_residuals(jax.checkpoint(block, policy=policy), k, beta)
+    return capsys.readouterr().out.strip().splitlines()
+  without = saved(jax.checkpoint_policies.save_only_these_names("solve_out", "delta_rule_T"))
+  for name in ("solve", "dots_solve"):
+    lines = saved(REMAT_POLICIES[name])
+    assert len(lines) == len(without) + extra and any("precond_pass" in line for line in lines), (name, lines)
+
+
 def test_segments_bound():
   assert segments_bound(np.zeros((2, 8), np.int32)) == 1           # one sequence per row: unpacked
   assert segments_bound(np.array([[0, 0, 1, 1], [0, 0, 0, 0]])) == 4

@@ -36,6 +36,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from osdn_jax.dgps import checks
 from osdn_jax.ops import chunked, common, dispatch, packing
@@ -131,6 +132,12 @@ def pdn_scale(A, center, *, x=1.5, eps=1e-6):
   return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
 
+def _saveable(key):
+  """The write key, named "precond_pass" for rematerialisation policies (`models.config.REMAT_POLICIES`): saved,
+  a block's backward need not rerun the first pass (whose kernels name their residuals alike)."""
+  return checkpoint_name(key, "precond_pass")
+
+
 def _static(*constants):
   return all(isinstance(c, numbers.Real) for c in constants)
 
@@ -147,10 +154,10 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
   if kind == "pallas":
     k_write, A_T = kernel(k, beta_p, g, transform="pdn", center=center, x=x, eps=eps,
                           initial_state=initial_state)
-    return k_write, (A_T if segment_ids is None else None)
+    return _saveable(k_write), (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
-  return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
+  return _saveable((pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype)), A_T
 
 
 def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None,
@@ -340,7 +347,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
                            segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
-  return apply_guard(ds * kx, kx, beta, guard).astype(out_dtype), d_last
+  return _saveable(apply_guard(ds * kx, kx, beta, guard).astype(out_dtype)), d_last
 
 
 def fixed_write_key(k, beta, d, *, guard=2.0):

@@ -8,13 +8,15 @@
 sequences and never writes A [B, T, H, K]. Chunks of C tokens (`Config.chunk`), G the in-chunk cumsum of g,
 G_C its total; every kernel but `decayed_sum` has the grid (B, H, NC, K/BK) and no loop:
   1. `summaries`: s_c = Σ_{j∈c} e^{G_C − G_j} b_j [B, NC, H, K] (weights from XLA, a column sum of a [C, BK] load);
-  2. the carries A_end[c] = e^{G_C(c)} A_end[c−1] + s_c (A_end[−1] = A_0): the `decayed_sum` kernel on these
-     NC-long arrays gives A_in[c] (the state entering chunk c) and A_T;
+  2. the carries A_end[c] = e^{G_C(c)} A_end[c−1] + s_c (A_end[−1] = A_0), which give A_in[c] (the state
+     entering chunk c) and A_T: `decayed_sum` on these NC-long arrays in two levels (`_chunk_scan`): every group
+     of `Config.carry_group` chunks from zero in parallel, then the groups' ends in one short serial scan, then
+     A_end = local + e^{(cumsum of G_C in the group)} · (the state entering the group), element-wise in XLA;
   3. `apply`: from A_in, the chunk's rows one by one in registers (A ← e^{g_t} A + b_t, y_t = transform(A)).
 Backward (`jax.custom_vjp`; residuals: the inputs and A_in [B, NC, H, K]). dA_t is the cotangent reaching A_t
 through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
   B1. `carry_grad` recomputes the rows' A_t and dA_t: s'_c = Σ_{t∈c} e^{G_t} dA_t;
-  B2. ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T (dA_0 = ν_0): `decayed_sum` on the chunk-reversed arrays;
+  B2. ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T (dA_0 = ν_0): the same two-level scan on the chunk-reversed arrays;
   B3. `grads`: the rows' A_t forward, then in reverse λ_t = dA_t + e^{g_{t+1}} λ_{t+1} (after the last row:
       ν_{c+1}); dk = 2βk ⊙ λ, dβ_t = Σ_K k² ⊙ λ_t, dg_t = e^{g_t} Σ_K λ_t ⊙ A_{t−1}, plus the transform's own
       terms (pdn: dk += dy ⊙ M and the centre's dc; atq: dq = dy / (A + λ)). dβ, dg of a split K and dc of
@@ -35,6 +37,7 @@ import math
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -53,6 +56,7 @@ class Config:
   chunk: int = 16                 # tokens per program (C); the recurrence runs row by row over them in registers
   block_k: int = 128              # K columns per program (clamped to the padded K)
   warps: int = 2                  # num_warps of every kernel (no loops: num_stages = 1)
+  carry_group: int = 64           # chunks per program of the carries' first level (0: one serial scan over all)
 
   def __post_init__(self):
     for name in ("chunk", "block_k", "warps"):
@@ -62,6 +66,8 @@ class Config:
       raise ValueError(f"Config.chunk={self.chunk} must be in [4, 64]")
     if not 16 <= self.block_k <= 256:
       raise ValueError(f"Config.block_k={self.block_k} must be in [16, 256]")
+    if self.carry_group < 0:
+      raise ValueError(f"Config.carry_group={self.carry_group} must be ≥ 0")
 
   def override(self, *assignments: str, **values) -> "Config":
     """A copy with fields replaced: "field=value" strings and/or keyword arguments (`common.override`)."""
@@ -69,7 +75,7 @@ class Config:
 
 
 DEFAULT = Config()
-INTERPRET = Config(chunk=4)
+INTERPRET = Config(chunk=4, carry_group=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,17 +268,40 @@ def _summaries(prep, st):
                  [(_chunk_shape(prep), "chunks")], "precond_key_summaries")[0]
 
 
+def _chunk_scan(s, G_C, A0, st):
+  """(A_end [B, NC, H, Kp], A_T [B, H, Kp]) of A_end[c] = e^{G_C(c)} A_end[c−1] + s_c, A_end[−1] = A0.
+
+  One serial `decayed_sum` over NC entries runs B·H·Kp/32 programs, each NC/64 dependent steps: at B = 1,
+  T = 32768 that is 32 programs of 32 steps, 0.08 ms. In two levels instead: each group of n = carry_group
+  chunks from zero (B·NG·H·Kp/32 programs, one step each), the groups' ends e_g with the group's total decay in
+  a serial scan NG long (the state E_g after group g), and A_end[c] = local[c] + e^{Σ_{c'≤c in g} G_C(c')} E_{g−1}.
+  Chunk totals G_C may lie far below the −30 floor of per-token log-decays: `decayed_sum.scan` is unclamped.
+  """
+  n = st.config.carry_group
+  b, nc, h, kp = s.shape
+  if not n or nc <= n:
+    return decayed_sum.scan(s, None, G_C, A0, interpret=st.interpret)
+  ng = -(-nc // n)
+  s, G_C = pad_axis(s, 1, ng * n), pad_axis(G_C, 1, ng * n)          # s = 0, G_C = 0: A unchanged, A_T exact
+  local, ends = decayed_sum.scan(s.reshape(b * ng, n, h, kp), None, G_C.reshape(b * ng, n, h),
+                                 jnp.zeros((b * ng, h, kp), F32), interpret=st.interpret)
+  cum = jnp.cumsum(G_C.reshape(b, ng, n, h), axis=2)                                 # [B, NG, n, H]
+  E, A_T = decayed_sum.scan(ends.reshape(b, ng, h, kp), None, cum[:, :, -1], A0, interpret=st.interpret)
+  entering = jnp.concatenate([A0[:, None], E[:, :-1]], axis=1)                       # [B, NG, H, Kp]
+  A_end = local.reshape(b, ng, n, h, kp) + jnp.exp(cum)[..., None] * entering[:, :, None]
+  return A_end.reshape(b, ng * n, h, kp)[:, :nc], A_T
+
+
 def _carries(prep, st):
-  """(A_in [B, NC, H, Kp]: the state entering every chunk, A_T [B, H, Kp]) by `decayed_sum` over chunks."""
-  # The unclamped `_scan`: chunk totals G_C may lie far below the −30 floor of per-token log-decays.
-  A_end, A_T = decayed_sum.scan(_summaries(prep, st), None, prep.G_C, prep.A0, interpret=st.interpret)
+  """(A_in [B, NC, H, Kp]: the state entering every chunk, A_T [B, H, Kp]) from the chunk summaries."""
+  A_end, A_T = _chunk_scan(_summaries(prep, st), prep.G_C, prep.A0, st)
   return jnp.concatenate([prep.A0[:, None], A_end[:, :-1]], axis=1), A_T
 
 
 def _reverse_carries(s_grad, prep, dA_T, st):
   """ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T, as the forward recurrence on the chunk-reversed arrays.
   Returns (ν_{c+1} for every chunk c [B, NC, H, Kp], ν_0 = dA_0 [B, H, Kp])."""
-  nu, nu_0 = decayed_sum.scan(jnp.flip(s_grad, 1), None, jnp.flip(prep.G_C, 1), dA_T, interpret=st.interpret)
+  nu, nu_0 = _chunk_scan(jnp.flip(s_grad, 1), jnp.flip(prep.G_C, 1), dA_T, st)
   return jnp.concatenate([jnp.flip(nu, 1)[:, 1:], dA_T[:, None]], axis=1), nu_0
 
 
@@ -326,7 +355,8 @@ def _precond_key(k, q, beta, g, A0, centre, st):
 
 def _fwd(k, q, beta, g, A0, centre, st):
   out, A_in = _forward(k, q, beta, g, A0, centre, st)
-  return out, (k, q, beta, g, A0, centre, A_in)
+  # Named for rematerialisation policies (with the key itself, named by its caller): the backward's one residual.
+  return out, (k, q, beta, g, A0, centre, checkpoint_name(A_in, "precond_pass"))
 
 
 def _bwd(st, res, cts):

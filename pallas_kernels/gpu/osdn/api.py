@@ -29,6 +29,7 @@ import contextlib
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pallas_kernels.arrays import static_number
@@ -61,6 +62,8 @@ def _d_pass(st: Static, u, n, beta, r, codes, d1, o):
 
 def _d_pass_fwd(st, u, n, beta, r, codes, d1, o):
   saved, (ds, d_last, *smooth) = forward.forward(st, u, n, beta, r, codes, d1, o, differentiated=True)
+  # Named for rematerialisation policies: with these saved, a block's backward does not rerun the kernels.
+  saved, ds, smooth = jax.tree.map(lambda x: checkpoint_name(x, "precond_pass"), (saved, ds, smooth))
   return (ds, d_last), (u, n, beta, r, codes, o, ds, smooth[0] if smooth else None, saved)
 
 
