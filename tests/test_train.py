@@ -258,7 +258,8 @@ _SHARDED = textwrap.dedent("""
       return float(met["loss"]), grads
     loss0, g0 = run((1, 1, 1), 1)
     worst = 0.0
-    for shape, accum in [((4, 1, 2), 1), ((1, 8, 1), 1), ((2, 2, 2), 1), ((1, 4, 1), 2)]:
+    meshes = {"combined": [((2, 2, 2), 1), ((1, 4, 1), 2)], "separate": [((4, 1, 2), 1), ((1, 8, 1), 1)]}
+    for shape, accum in sum((meshes[m] for m in sys.argv[2].split(",")), []):
       loss, g = run(shape, accum)
       assert abs(loss - loss0) <= 1e-6 * abs(loss0), (shape, loss, loss0)
       for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
@@ -271,13 +272,16 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("variant", ["pgdn", pytest.param("osdn-apf-gdn", marks=pytest.mark.slow)])
-def test_sharded_step_equals_one_device(variant):
-  """data × tensor, fsdp, all three, and fsdp with 2 microbatches: loss and every parameter's gradient equal
-  the single-device step (fp32); the recurrence runs under shard_map over rows × heads."""
+@pytest.mark.parametrize("variant,meshes", [
+    ("pgdn", "combined"), pytest.param("pgdn", "separate", marks=pytest.mark.slow),
+    pytest.param("osdn-apf-gdn", "combined,separate", marks=pytest.mark.slow)])
+def test_sharded_step_equals_one_device(variant, meshes):
+  """Loss and every parameter's gradient equal the single-device step (fp32); the recurrence runs under
+  shard_map over rows × heads. "combined": data × fsdp × tensor, and fsdp with 2 microbatches; "separate":
+  data × tensor, and fsdp alone."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  out = subprocess.run([sys.executable, "-c", _SHARDED, f"{variant}-tiny"], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=600)
+  out = subprocess.run([sys.executable, "-c", _SHARDED, f"{variant}-tiny", meshes], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "worst relative rms" in out.stdout
 
