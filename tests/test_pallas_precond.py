@@ -313,3 +313,94 @@ def test_packed_traced_segments_fold_into_the_unpacked_kernels(which):
       continue
     assert np.all(np.isfinite(np.asarray(a))), i
     assert rel_rms(a, b) < 5 * TOL, (i, rel_rms(a, b))   # the kernels' chunked sums against a scan's order
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PDN's key formed inside the delta rule's prep (`delta_rule.pdn_delta_rule`).
+# ---------------------------------------------------------------------------------------------------------
+def _pdn_solve_inputs(seed, T, decay, dtype=F32, extreme=False):
+  """(q, k, v, β, βᴾ, gᴾ, centre, log-decay or None, S0, A0ᴾ): B=2, H=3, K=20, V=24 (both padded to 32); extreme:
+  the gates of `_key_inputs` (log-decays −1e3 and 0, β ∈ {0, 1}, zero keys) on the moment and on the solve."""
+  k, q, beta_p, g_p, A0, centre = _key_inputs(seed, T, extreme=extreme)
+  rng = np.random.default_rng(seed + 200)
+  v = rng.normal(size=(2, T, 3, 24))
+  beta = np.asarray(beta_p)[:, ::-1].copy()
+  g = np.asarray(g_p)[:, ::-1].copy() if decay == "scalar" else None
+  S0 = rng.normal(size=(2, 3, 20, 24)) * 0.3
+  wide = lambda x: jnp.asarray(x, dtype)
+  return (wide(q / np.linalg.norm(q, axis=-1, keepdims=True)), wide(k), wide(v), jnp.asarray(beta, F32), beta_p,
+          g_p, centre, None if g is None else jnp.asarray(g, F32), jnp.asarray(S0, F32), A0)
+
+
+def _pdn_solve_fn(impl, chunk=64):
+  """fn(q, k, v, β, βᴾ, gᴾ, c, g, S0, A0) → (o, S_T, A_T): the fused kernel, or PDN's key then the solve."""
+  def fn(q, k, v, beta, bp, gp, c, g, S0, A0):
+    if impl == "fused":
+      from pallas_kernels.gpu import delta_rule
+      return delta_rule.pdn_delta_rule(q, k, v, beta, bp, gp, c, x=1.7, log_decay=g, initial_state=S0,
+                                       initial_moment=A0, chunk_size=chunk)
+    from osdn_jax import ops
+    kw, A_T = precond.pdn_write_key(k, bp, gp, c, x=1.7, initial_state=A0, implementation=impl)
+    o, S = ops.delta_rule(q, k, v, beta, k_write=kw, log_decay=g, initial_state=S0, chunk_size=chunk,
+                          output_final_state=True, implementation=impl)
+    return o, S, A_T
+  return fn
+
+
+@pytest.mark.parametrize("decay,T,chunk,extreme", [
+    ("scalar", 77, 64, True),
+    pytest.param("none", 150, 32, False, marks=pytest.mark.slow)])
+def test_pdn_key_in_the_solve_against_fp64(decay, T, chunk, extreme):
+  """The key formed in prep (four or two sub-blocks a chunk, T not a multiple of it, K and V padded, initial
+  state and moment) against PDN's key then the solve in fp64 XLA: o, S_T, A_T and the gradients of q, k, v, β,
+  βᴾ, gᴾ, the centre, the log-decay, S0 and A0ᴾ; extreme gates finite."""
+  args = _pdn_solve_inputs(12, T, decay, extreme=extreme)
+  got = _jit_values_and_grads(_pdn_solve_fn("fused", chunk), args)
+  want = _jit_values_and_grads(_pdn_solve_fn("xla", chunk),
+                               tuple(None if a is None else a.astype(jnp.float64) for a in args))
+  assert len(got) == 3 + sum(a is not None for a in args)
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert a.shape == b.shape and a.dtype == F32, i
+    assert close(a, b, 2e-5, 1e-6), (i, rel_rms(a, b))
+
+
+@pytest.mark.slow
+def test_pdn_key_in_the_solve_bf16():
+  """bf16 q, k, v: o in bf16, and every result within bf16 tolerance of the two pallas ops on the same inputs."""
+  args = _pdn_solve_inputs(13, 150, "scalar", dtype=jnp.bfloat16)
+  got = _jit_values_and_grads(_pdn_solve_fn("fused"), args)
+  want = _jit_values_and_grads(_pdn_solve_fn("pallas"), args)
+  assert got[0].dtype == jnp.bfloat16
+  for i, (a, b) in enumerate(zip(got, want)):
+    assert a.dtype == b.dtype and rel_rms(a, b) < 1e-2, (i, rel_rms(a, b))
+
+
+def test_pdn_key_in_the_solve_errors():
+  from pallas_kernels.gpu import delta_rule
+  q, k, v, beta, bp, gp, c, g, S0, A0 = _pdn_solve_inputs(14, 8, "scalar")
+  bad = [(dict(v=jnp.concatenate([v, v], axis=2)), "`v`"), (dict(log_decay=jnp.zeros((2, 8, 3, 20))), "`log_decay`"),
+         (dict(beta_p=bp[:, :4]), "`beta`"), (dict(center=c[:2]), "`center`"),
+         (dict(initial_moment=A0[:1]), "`initial_state`")]
+  for change, match in bad:
+    kw = {**dict(q=q, k=k, v=v, beta=beta, beta_p=bp, log_decay_p=gp, center=c), **change}
+    with pytest.raises(ValueError, match=match):
+      delta_rule.pdn_delta_rule(**kw)
+
+
+def test_pdn_key_in_the_solve_lowers_to_triton(triton_lowering, capsys):
+  """Forward and backward lower to verified Triton IR for CUDA; no `precond_key_apply` launch is left."""
+  from pallas_kernels.gpu import delta_rule
+  verified = triton_lowering
+  sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
+
+  def loss(q, k, v, beta, bp, gp, c, g):
+    o, S, A = delta_rule.pdn_delta_rule(q, k, v, beta, bp, gp, c, log_decay=g, interpret=False)
+    return jnp.sum(o.astype(F32)) + jnp.sum(S) + jnp.sum(A)
+  bf, x, gate = jnp.bfloat16, sd(2, 100, 4, 128, dtype=jnp.bfloat16), sd(2, 100, 4)
+  jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)))).trace(x, x, x, gate, gate, gate, sd(4), gate).lower(
+      lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  for name in ("delta_rule_prep", "precond_key_summaries", "precond_key_grads", "delta_rule_grads_finish"):
+    assert f"@{name}(" in ir, name
+  assert "@precond_key_apply(" not in ir
+  assert all(verified), verified

@@ -57,6 +57,9 @@ class Config:
   block_k: int = 128              # K columns per program (clamped to the padded K)
   warps: int = 2                  # num_warps of every kernel (no loops: num_stages = 1)
   carry_group: int = 64           # chunks per program of the carries' first level (0: one serial scan over all)
+  fuse: bool = False              # PDN's key then the Pallas delta rule (`delta_rule.pdn_delta_rule`'s callers):
+                                  # form the key in the solve's prep rather than in `apply` (the chunk is then
+                                  # capped at the solve's); slower on the H200 (docs/benchmarks.md)
 
   def __post_init__(self):
     for name in ("chunk", "block_k", "warps"):
@@ -97,11 +100,15 @@ class Static:
 # In-kernel math. Rows of a chunk are [BK] fp32 register values; every row is loaded before the first store (a
 # load after a store to a ref that may alias it could not be issued earlier), the recurrence runs row by row.
 # ---------------------------------------------------------------------------------------------------------
-def _pdn_scale(st, A, centre):
-  """(M, u = 1 / (1 + |z|)) for A and the centre, both [BK]."""
-  z = jnp.log(A + st.eps) - centre
+def pdn_scale(A, centre, x: float, eps: float):
+  """(M, u = 1 / (1 + |z|)) for A and the centre (broadcasting register values), z = log(A + ε) − c."""
+  z = jnp.log(A + eps) - centre
   u = 1.0 / (1.0 + jnp.abs(z))
-  return jnp.exp(-math.log(st.x) * z * u), u
+  return jnp.exp(-math.log(x) * z * u), u
+
+
+def _pdn_scale(st, A, centre):
+  return pdn_scale(A, centre, st.x, st.eps)
 
 
 def _transform(st, A, k, p):
@@ -379,6 +386,26 @@ def _bwd(st, res, cts):
 
 
 _precond_key.defvjp(_fwd, _bwd)
+
+
+def pdn_static(x: float, eps: float, config: Config, interpret: bool) -> Static:
+  return Static("pdn", float(x), float(eps), 1.0, config, interpret)
+
+
+def pdn_moments(k, beta, g, A0, centre, st: Static):
+  """For a caller that forms PDN's key itself (`delta_rule.prep.PdnKey`): (A_in, the moment entering every
+  chunk of st.config.chunk tokens [B, NC, H, K] fp32, A_T [B, H, K] fp32, head-major βᴾ and gᴾ [B, H, T]). k
+  [B, T, H, K] with T a multiple of the chunk and K padded; beta, g (clamped) [B, T, H] fp32; A0 [B, H, K]."""
+  prep = _prepare(k, None, beta, g, A0, centre, st)
+  A_in, A_T = _carries(prep, st)
+  return A_in, A_T, prep.beta, prep.g
+
+
+def pdn_backward(st: Static, k, beta, g, A0, centre, A_in, dy, dA_T):
+  """The cotangents (dk, dβ, dg, dA0, dc) of PDN's key for the inputs of `pdn_moments` and its A_in, from those
+  of the key dy [B, T, H, K] and of A_T."""
+  dk, _, dbeta, dg, dA0, dc = _bwd(st, (k, None, beta, g, A0, centre, A_in), (dy, dA_T))
+  return dk, dbeta, dg, dA0, dc
 
 
 # ---------------------------------------------------------------------------------------------------------
