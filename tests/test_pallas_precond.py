@@ -379,8 +379,10 @@ def test_pdn_key_in_the_solve_errors():
   from pallas_kernels.gpu import delta_rule
   q, k, v, beta, bp, gp, c, g, S0, A0 = _pdn_solve_inputs(14, 8, "scalar")
   bad = [(dict(v=jnp.concatenate([v, v], axis=2)), "`v`"), (dict(log_decay=jnp.zeros((2, 8, 3, 20))), "`log_decay`"),
-         (dict(beta_p=bp[:, :4]), "`beta`"), (dict(center=c[:2]), "`center`"),
-         (dict(initial_moment=A0[:1]), "`initial_state`")]
+         (dict(beta_p=bp[:, :4]), "`beta_p`"), (dict(log_decay_p=gp[:1]), "`log_decay_p`"),
+         (dict(center=c[:2]), "`center`"), (dict(initial_moment=A0[:1]), "`initial_moment`"),
+         (dict(q=q[..., :8]), "`q`"), (dict(beta=beta[:, :4]), "`beta`"), (dict(initial_state=S0[..., :4]),
+                                                                            "`initial_state`")]
   for change, match in bad:
     kw = {**dict(q=q, k=k, v=v, beta=beta, beta_p=bp, log_decay_p=gp, center=c), **change}
     with pytest.raises(ValueError, match=match):

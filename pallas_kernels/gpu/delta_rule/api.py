@@ -237,15 +237,23 @@ def pdn_delta_rule(q, k, v, beta, beta_p, log_decay_p, center, *, x=1.5, eps=1e-
 
   Shapes as `delta_rule` without packing, with as many value heads as key heads; log_decay None or [B, T, H]
   (per-channel decay: compose the two ops); beta_p, log_decay_p [B, T, H]; center scalar or [H]; initial_moment
-  [B, H, K]; x, eps static. key_config: `precond_key.Config` of the moment's passes (its chunk is capped at the
-  solve's). Differentiable w.r.t. every array argument.
+  [B, H, K]; x, eps static; ValueError naming the argument on any other shape. key_config: `precond_key.Config`
+  of the moment's passes (its chunk is capped at the solve's). Differentiable w.r.t. every array argument.
   """
   where = "pdn_delta_rule (pallas gpu)"
-  check_precond_key(where, k, beta_p, log_decay_p, "pdn", None, center, x, eps, 1.0, initial_moment)
-  if v.shape[2] != k.shape[2]:
-    raise ValueError(f"{where}: `v` must have as many heads as `k` ({k.shape[2]}), got {v.shape[2]}")
-  if log_decay is not None and jnp.ndim(log_decay) != 3:
-    raise ValueError(f"{where}: `log_decay` must be None or [B, T, H], got shape {jnp.shape(log_decay)}")
+  check_precond_key(where, k, beta_p, log_decay_p, "pdn", None, center, x, eps, 1.0, initial_moment,
+                    names=("beta_p", "log_decay_p", "initial_moment"))
+  b, t, h, kd = k.shape
+  if q.shape != k.shape:
+    raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape}, got {q.shape}")
+  if v.ndim != 4 or v.shape[:3] != (b, t, h):
+    raise ValueError(f"{where}: `v` must be [B, T, H, V] with (B, T, H) = {(b, t, h)}, got {v.shape}")
+  for name, a in (("beta", beta), ("log_decay", log_decay)):
+    if a is not None and jnp.shape(a) != (b, t, h):
+      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got shape {jnp.shape(a)}")
+  if initial_state is not None and initial_state.shape != (b, h, kd, v.shape[3]):
+    raise ValueError(f"{where}: `initial_state` must be [B, H, K, V] = {(b, h, kd, v.shape[3])}, got "
+                     f"{initial_state.shape}")
   config.check(chunk_size)
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
     raise ValueError(f"{where}: dtype {jnp.dtype(q.dtype).name} not supported")
