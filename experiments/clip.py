@@ -105,8 +105,9 @@ def run(spec: Clip, out_dir) -> list[dict]:
     for v in spec.variants:
       name = v.replace(":", "_").replace("=", "-").replace(",", "_")
       bar.set_postfix_str(f"{v} mqar")
-      workdir = root / f"mqar_{name}"
-      model = common.fit(sweep.config(v, length, kv, lr), workdir).model
+      config = sweep.config(v, length, kv, lr)
+      workdir = common.run_dir(config, root / f"mqar_{name}")
+      model = common.fit(config, root / f"mqar_{name}").model
       source = sweep.test_source(length, kv)
       accuracy = common.recall_accuracy(model, source, num_examples=sweep.test_examples,
                                         batch_size=min(sweep.test_examples, 256))
@@ -116,9 +117,9 @@ def run(spec: Clip, out_dir) -> list[dict]:
                        layers=measure(model, tokens, spec.chunk_sizes)))
       bar.update()
       bar.set_postfix_str(f"{v} text")
-      workdir = root / f"text_{name}"
       config = spec.text.config(v)
-      model = common.fit(config, workdir).model
+      workdir = common.run_dir(config, root / f"text_{name}")
+      model = common.fit(config, root / f"text_{name}").model
       tokens = common.validation_tokens(config, spec.text_rows)
       rows.append(dict(variant=v, data="text", length=config.seq_len, final_loss=common.last_logged(workdir, "loss"),
                        rows=len(tokens), layers=measure(model, tokens, spec.chunk_sizes)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -59,11 +60,24 @@ def variant_config(base, spec: str, size: str):
   return config
 
 
+def config_digest(config) -> str:
+  """8 hex digits naming a trainer config: every field (steps, rows, seed, dtype, data, optimiser, ...)."""
+  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:8]
+
+
+def run_dir(config, workdir) -> pathlib.Path:
+  """Where `fit` trains `config` for `workdir`: workdir-<config_digest>, so a finished run is reused (and a stopped
+  one resumed) only by the same config; another step count, dtype, seed or data setting trains anew."""
+  workdir = pathlib.Path(workdir)
+  return workdir.with_name(f"{workdir.name}-{config_digest(config)}")
+
+
 def fit(config, workdir=None) -> train.TrainResult:
-  """Trains `config` with the trainer (in `workdir`, or a temporary directory that is removed afterwards)."""
+  """Trains `config` with the trainer in `run_dir(config, workdir)`, or in a temporary directory removed
+  afterwards."""
   quiet_checkpoint_logs()
   if workdir is not None:
-    return train.run(config, workdir)
+    return train.run(config, run_dir(config, workdir))
   with tempfile.TemporaryDirectory(prefix="osdn-experiment-") as tmp:
     return train.run(config, tmp)
 

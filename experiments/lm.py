@@ -89,7 +89,7 @@ def run(spec: LM, out_dir) -> list[dict]:
       config = spec.config(v)
       result = common.fit(config, workdir)
       val = validation_loss(result, config, spec.validation_batches)
-      curve = [(r["step"], r["loss"]) for r in read_metrics(workdir) if "loss" in r]
+      curve = [(r["step"], r["loss"]) for r in read_metrics(common.run_dir(config, workdir)) if "loss" in r]
       rows.append(dict(variant=v, validation_loss=val, validation_perplexity=math.exp(val),
                        final_train_loss=curve[-1][1] if curve else None, curve=curve,
                        tokens=config.steps * config.batch_size * config.seq_len))

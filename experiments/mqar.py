@@ -117,7 +117,7 @@ def run_one(sweep: Sweep, variant: str, length: int, train_kv: int, lr: float, t
   """Trains one model (or resumes it from its workdir) and scores it at each kv of test_kv (`score`)."""
   config = sweep.config(variant, length, train_kv, lr)
   model = common.fit(config, workdir).model
-  loss = common.last_logged(workdir, "loss")
+  loss = common.last_logged(common.run_dir(config, workdir), "loss")
   return [dict(variant=variant, length=length, kv=kv, train_kv=train_kv, lr=lr, reads=sweep.reads,
                final_loss=loss, steps=config.steps, batch_size=config.batch_size, **score(sweep, model, length, kv))
           for kv in test_kv]

@@ -82,8 +82,9 @@ def run(spec: Passkey, out_dir) -> list[dict]:
   with common.progress(len(spec.variants), "passkey") as bar:
     for v in spec.variants:
       bar.set_postfix_str(v)
-      workdir = root / v.replace(":", "_").replace("=", "-").replace(",", "_")
-      model = common.fit(spec.config(v), workdir).model
+      config, name = spec.config(v), root / v.replace(":", "_").replace("=", "-").replace(",", "_")
+      workdir = common.run_dir(config, name)
+      model = common.fit(config, name).model
       loss = common.last_logged(workdir, "loss")
       for length in spec.lengths:
         for depth in spec.depths:

@@ -149,3 +149,18 @@ def test_registered_point_joins_experiments_by_name():
     dgps.POINTS.pop("test-osdn-apf-gdn-init", None)
   with pytest.raises(ValueError, match="name"):
     dgps.register(dgps.compose(name="has space"))
+
+
+def test_a_run_is_reused_only_by_the_same_config(tmp_path):
+  """The experiments' work directory names the whole trainer config: another step count, dtype, seed or data
+  setting trains anew instead of resuming a finished run of the same variant and cell."""
+  base = mqar.Sweep(**mqar.SMOKE).config("dn", 32, 4, 3e-3)
+  same = mqar.Sweep(**mqar.SMOKE).config("dn", 32, 4, 3e-3)
+  assert common.run_dir(base, tmp_path / "run") == common.run_dir(same, tmp_path / "run")
+  for field, value in (("steps", 6), ("dtype", "bfloat16"), ("seed", 1), ("batch_size", 8)):
+    other = base.copy_and_resolve_references()
+    other[field] = value
+    assert common.run_dir(other, tmp_path / "run") != common.run_dir(base, tmp_path / "run"), field
+  other = base.copy_and_resolve_references()
+  other.data.num_records = 32
+  assert common.run_dir(other, tmp_path / "run") != common.run_dir(base, tmp_path / "run")

@@ -59,7 +59,9 @@ def test_named_configs_validate(name):
     ("model", "nope-340m", "`model`"), ("model", "gdn-7b", "unknown size"), ("dtype", "float64", "`dtype`"),
     ("remat", "everything", "`remat`"), ("batch_size", 0, "`batch_size`"), ("grad_accum", 3, "`grad_accum`"),
     ("steps", 0, "`steps`"), ("optimizer.b2", 1.0, "optimizer.b1` and `optimizer.b2"),
-    ("optimizer.lr", -1.0, "optimizer.lr"), ("optimizer.warmup_steps", 500, "warmup_steps"),
+    ("optimizer.lr", -1.0, "optimizer.lr"), ("optimizer.lr", float("inf"), "optimizer.lr"),
+    ("optimizer.lr", float("nan"), "optimizer.lr"), ("optimizer.eps", float("inf"), "optimizer.eps"),
+    ("optimizer.clip", float("nan"), "optimizer.clip"), ("optimizer.warmup_steps", 500, "warmup_steps"),
     ("mesh.data", 0, "mesh.data"), ("mesh.tensor", -1, "at most one"), ("implementation", "cuda", "implementation"),
 ])
 def test_bad_configs_name_the_field(field, value, match):
@@ -387,3 +389,17 @@ def test_killed_and_resumed_run_logs_the_same_losses(tmp_path):
   want, got = _metrics(whole), _metrics(killed)
   assert [r["step"] for r in got] == list(range(1, steps + 1))
   np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6, atol=0)
+
+
+def test_metrics_writer_drops_a_torn_last_line_and_names_a_bad_one(tmp_path, caplog):
+  """A metrics.jsonl whose last line was cut mid-write (a kill, a full disk) resumes with that line dropped and a
+  warning; a bad line before the last is an error naming the file and line."""
+  from osdn_jax.train.metrics import Writer
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  Writer(tmp_path, enabled=True, resume_step=2).close()
+  assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+  assert "torn last line" in caplog.text
+  path.write_text('{"step": 1, "loss": 2.0}\nnot json\n{"step": 2, "loss": 1.5}\n')
+  with pytest.raises(ValueError, match="metrics.jsonl, line 2"):
+    Writer(tmp_path, enabled=True, resume_step=2)

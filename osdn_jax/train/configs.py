@@ -29,6 +29,7 @@ Fields (every one overridable from the command line):
 """
 from __future__ import annotations
 
+import math
 import pathlib
 
 import ml_collections
@@ -173,8 +174,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train config: `grad_accum` ({c.grad_accum}) must divide `batch_size` ({c.batch_size})")
   o = c.optimizer
   for field in ("lr", "b1", "b2", "eps", "weight_decay", "clip", "min_lr_ratio"):
-    if not isinstance(o[field], (int, float)) or o[field] < 0:
-      raise ValueError(f"train config: `optimizer.{field}` must be a number ≥ 0, got {o[field]!r}")
+    if not isinstance(o[field], (int, float)) or not math.isfinite(o[field]) or o[field] < 0:
+      raise ValueError(f"train config: `optimizer.{field}` must be a finite number ≥ 0, got {o[field]!r}")
   if not 0 <= o.b1 < 1 or not 0 <= o.b2 < 1:
     raise ValueError(f"train config: `optimizer.b1` and `optimizer.b2` must lie in [0, 1), got {o.b1}, {o.b2}")
   _int(o, "warmup_steps", minimum=0)

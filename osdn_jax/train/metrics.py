@@ -8,6 +8,16 @@ import pathlib
 
 import tensorboardX
 import tqdm
+from absl import logging
+
+
+def _row(line: str):
+  """The logged row of a metrics.jsonl line, or None if the line is not a JSON object with an integer step."""
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError:
+    return None
+  return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def _scalar(v):
@@ -24,8 +34,13 @@ class Writer:
       return
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     if self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= resume_step]
+      rows = [(line, _row(line)) for line in self.path.read_text().splitlines() if line.strip()]
+      if rows and rows[-1][1] is None:   # a final line torn by a kill or a full disk mid-write
+        logging.warning("%s: dropped a torn last line %r", self.path, rows.pop()[0][:80])
+      for number, (line, row) in enumerate(rows, 1):
+        if row is None:
+          raise ValueError(f"{self.path}, line {number}: not a JSON object with an integer `step`: {line[:80]!r}")
+      kept = [line for line, row in rows if row["step"] <= resume_step]
       self.path.write_text("".join(line + "\n" for line in kept))
     self.file = self.path.open("a")
     self.tb = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)

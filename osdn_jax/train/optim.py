@@ -9,6 +9,8 @@ centre, a fixed scale) — those set time scales and offsets, which decay would 
 """
 from __future__ import annotations
 
+import types
+
 import jax
 import optax
 
@@ -35,3 +37,12 @@ def make(opt, steps: int) -> optax.GradientTransformation:
       optax.clip_by_global_norm(opt.clip),
       optax.adamw(schedule(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
                   mask=decay_mask))
+
+
+def make_at(opt, steps: int, lr) -> optax.GradientTransformation:
+  """`make` with the peak learning rate given apart, as a scalar that may be traced (one per cell of a `jax.vmap`
+  over runs): the update of AdamW with decoupled weight decay is linear in its learning rate, so this is `make`'s
+  at lr = 1, scaled by lr. Its state has one structure whatever lr."""
+  unit = types.SimpleNamespace(lr=1.0, **{name: getattr(opt, name) for name in (
+      "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "clip")})
+  return optax.chain(make(unit, steps), optax.scale(lr))

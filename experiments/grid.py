@@ -1,0 +1,486 @@
+"""The MQAR grid as resumable cells, several cells trained side by side in one program.
+
+A cell is one (variant, L, kv, learning rate, seed) at one protocol (steps, rows per step, vocabulary, model size,
+training and test rows, dtype, implementation). Its result is one JSON file, `OUT/<name>.json`, holding the cell,
+its test accuracy, its learning curve (training loss and test accuracy every `eval_every` steps) and the model's
+per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
+a grid larger than one session's device time fills in over several sessions; a group stopped midway resumes from
+its state saved under OUT/partial/ at its last curve point (on the machine that saved it: the state is not
+committed). `--report` merges every cell file of OUT into one table per cut and one figure.
+
+The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
+states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them
+(`jax.vmap` over the trainer's own step, `osdn_jax.train.step.make_train_step`, with the trainer's optimiser
+`osdn_jax.train.optim.make` at each cell's learning rate and the trainer's loss on the scored positions). The
+training rows live on the device (zoology's generator, `osdn_jax.data.MQARSource`, seeded by the cell's seed as the
+trainer seeds it), and each epoch visits them in a new order.
+
+  python -m experiments.grid --cut=c --variants=dn,pdn,gdn,pgdn --seeds=0,1      # train the missing cells
+  python -m experiments.grid --cut=c --variants=dn --budget_s=600                # stop starting groups after 10 min
+  python -m experiments.grid --report                                           # tables and figure from OUT
+  python -m experiments.grid --smoke                                            # the CI size, seconds on a CPU
+
+The cuts are the PDN paper's: (a) kv = 64, L ∈ {256, 512, 1024, 2048}; (b) kv : L = 1 : 8; (c) L = 1024,
+kv ∈ {32, 64, 128, 256}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import pathlib
+import time
+from concurrent import futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from experiments import common, mqar
+from osdn_jax.data import MQARSource
+from osdn_jax.data.recall import IGNORE
+from osdn_jax.train import loop, optim
+from osdn_jax.train.step import graphdef, init_state, make_train_step, scored_positions
+
+CUTS = {
+    "a": ((256, 64), (512, 64), (1024, 64), (2048, 64)),
+    "b": ((256, 32), (512, 64), (1024, 128), (2048, 256)),
+    "c": ((1024, 32), (1024, 64), (1024, 128), (1024, 256)),
+}
+# The PDN paper's MQAR accuracies (%) for cut (c), kv = 32, 64, 128, 256 at L = 1024.
+PAPER_C = {"dn": (99, 99, 85, 46), "pdn": (99, 98, 97, 49), "gdn": (96, 0, 70, 0), "pgdn": (99, 98, 65, 29)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """What every cell of a sweep shares. A finished cell is reused only when all of it matches."""
+  steps: int = 6000
+  batch_size: int = 64
+  vocab_size: int = 8192
+  size: str = "mqar"
+  train_examples: int = 100_000
+  test_examples: int = 1000
+  dtype: str = "float32"
+  implementation: str = "auto"
+  eval_every: int = 500
+
+  def sweep(self, variant: str, length: int, kv: int) -> mqar.Sweep:
+    """The `experiments.mqar` sweep whose trainer config this cell trains (one length, one kv)."""
+    return mqar.Sweep(variants=(variant,), lengths=(length,), kv=(kv,), lrs=(1e-3,), steps=self.steps,
+                      batch_size=self.batch_size, size=self.size, vocab_size=self.vocab_size,
+                      train_examples=self.train_examples, test_examples=self.test_examples,
+                      implementation=self.implementation, dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  variant: str
+  length: int
+  kv: int
+  lr: float
+  seed: int
+
+  def name(self, protocol: Protocol) -> str:
+    """A file name that says the cell and hashes the whole protocol."""
+    identity = json.dumps([dataclasses.asdict(self), dataclasses.asdict(protocol)], sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return f"{mqar.run_name(self.variant, self.length, self.kv, self.lr)}_s{self.seed}_{digest}"
+
+
+def cells_of(variants, pairs, lrs, seeds) -> list[Cell]:
+  return [Cell(v, length, kv, float(lr), int(s)) for v in variants for length, kv in pairs for lr in lrs
+          for s in seeds]
+
+
+def done(out, protocol: Protocol, cell: Cell) -> bool:
+  path = pathlib.Path(out) / f"{cell.name(protocol)}.json"
+  if not path.is_file():
+    return False
+  saved = json.loads(path.read_text())
+  return saved.get("cell") == dataclasses.asdict(cell) and saved.get("protocol") == dataclasses.asdict(protocol)
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+def _rows(source: MQARSource, start: int, stop: int):
+  rows = [source[i] for i in range(start, stop)]
+  return np.stack([r["inputs"] for r in rows]), np.stack([r["labels"] for r in rows])
+
+
+def mqar_rows(source: MQARSource, count: int, workers: int = 0):
+  """(inputs, labels) int32 [count, L] of records 0 … count − 1, drawn in `workers` processes (0: here)."""
+  if workers <= 1 or count < 4096:
+    return _rows(source, 0, count)
+  bounds = np.linspace(0, count, workers + 1).astype(int)
+  with futures.ProcessPoolExecutor(workers) as pool:
+    parts = list(pool.map(_rows, [source] * workers, bounds[:-1], bounds[1:]))
+  return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def epoch_order(seed: int, rows: int, steps: int, batch: int) -> np.ndarray:
+  """int32 [steps, batch]: the rows of each step, a new permutation of all rows every epoch (batches do not span
+  epochs; a last partial batch of an epoch is dropped)."""
+  per_epoch = rows // batch
+  rng = np.random.default_rng([seed, 0x6D71])
+  epochs = -(-steps // per_epoch)
+  order = np.concatenate([rng.permutation(rows)[:per_epoch * batch] for _ in range(epochs)])
+  return order[:steps * batch].reshape(steps, batch).astype(np.int32)
+
+
+def _batch(tokens, labels, rows):
+  """The trainer's batch (`osdn_jax.data.pipeline`) of rows [B] of tokens/labels [N, L]."""
+  x, y = tokens[rows].astype(jnp.int32), labels[rows].astype(jnp.int32)
+  scored = y != IGNORE
+  return {"tokens": x, "targets": jnp.where(scored, y, 0), "segment_ids": jnp.zeros_like(x),
+          "loss_mask": scored.astype(jnp.float32)}
+
+
+# --- training -------------------------------------------------------------------------------------------------------
+
+def _stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _unstack(tree, i):
+  return jax.tree.map(lambda x: x[i], tree)
+
+
+class Group:
+  """The cells of one (variant, L, kv) at one protocol, trained side by side (module docstring)."""
+
+  def __init__(self, protocol: Protocol, cells: list[Cell], *, chunk_steps: int = 250, workers: int = 0):
+    first = cells[0]
+    assert all((c.variant, c.length, c.kv) == (first.variant, first.length, first.kv) for c in cells)
+    self.protocol, self.cells = protocol, cells
+    sweep = protocol.sweep(first.variant, first.length, first.kv)
+    self.config = sweep.config(first.variant, first.length, first.kv, first.lr)
+    self.model_cfg = loop.model_config(self.config, protocol.vocab_size)
+    self.graph = graphdef(self.model_cfg)
+    self.chunk_steps = math.gcd(chunk_steps, protocol.eval_every, protocol.steps)
+    opt, steps = self.config.optimizer, protocol.steps
+    make = lambda lr: optim.make_at(opt, steps, lr)
+    positions = self.config.loss_positions
+    graph = self.graph
+
+    def cell_step(state, batch, lr):
+      return make_train_step(graph, make(lr), loss_chunk=positions, loss_positions=positions)(state, batch)
+
+    def chunk(states, lrs, tokens, labels, order):
+      def body(states, rows):
+        batch = jax.vmap(_batch)(tokens, labels, rows)
+        states, metrics = jax.vmap(cell_step)(states, batch, lrs)
+        return states, metrics["loss"]
+      return jax.lax.scan(body, states, order)
+
+    self._chunk = jax.jit(chunk, donate_argnums=0)
+    self._accuracy = jax.jit(jax.vmap(self._cell_accuracy, in_axes=(0, 0, 0)))
+    seeds = sorted({c.seed for c in cells})
+    self.data = {}   # seed → ((train inputs, labels), (test inputs, labels)), int32 [rows, L] each
+    for s in seeds:
+      train = MQARSource(vocab_size=protocol.vocab_size, length=first.length, num_pairs=first.kv,
+                         num_records=protocol.train_examples, seed=s, power_a=self.config.data.mqar_power)
+      test = MQARSource(vocab_size=protocol.vocab_size, length=first.length, num_pairs=first.kv,
+                        num_records=protocol.test_examples, seed=s + 1_000_003, power_a=self.config.data.mqar_power)
+      self.data[s] = (mqar_rows(train, protocol.train_examples, workers), mqar_rows(test, protocol.test_examples))
+    self.small = np.int16 if protocol.vocab_size < 2**15 else np.int32
+
+  def _cell_accuracy(self, params, tokens, labels):
+    """(correct, scored) over test rows [N, L] at the first kv scored positions of each row."""
+    model = nnx.merge(self.graph, params)
+    batch = _batch(tokens, labels, jnp.arange(tokens.shape[0]))
+    at = scored_positions(batch["loss_mask"], self.config.loss_positions)
+    hidden = jnp.take_along_axis(model.hidden(batch["tokens"]), at[..., None], axis=1)
+    logits = jnp.einsum("bpd,vd->bpv", hidden, params["embed"].astype(hidden.dtype))
+    target = jnp.take_along_axis(batch["targets"], at, axis=1)
+    mask = jnp.take_along_axis(batch["loss_mask"], at, axis=1)
+    return jnp.sum((jnp.argmax(logits, -1) == target) * mask), jnp.sum(mask)
+
+  def accuracy(self, states, tests) -> np.ndarray:
+    correct = total = 0
+    n = tests[0].shape[1]
+    piece = min(n, 250)
+    for start in range(0, n, piece):
+      c, t = self._accuracy(states["params"], tests[0][:, start:start + piece], tests[1][:, start:start + piece])
+      correct, total = correct + np.asarray(c), total + np.asarray(t)
+    return correct / np.maximum(total, 1)
+
+  def run(self, log=print, partial: pathlib.Path | None = None) -> list[dict]:
+    """Trains the cells; returns one result dict per cell. partial: a file prefix where the group's state is saved
+    at every point of the learning curve and resumed from when it is there (a stopped run loses at most
+    eval_every steps)."""
+    p, cells = self.protocol, self.cells
+    tx = optim.make_at(self.config.optimizer, p.steps, 1.0)
+    states = jax.jit(lambda: _stack([init_state(self.model_cfg, tx, c.seed) for c in cells]))()
+    put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
+    tokens = put([self.data[c.seed][0][0] for c in cells])
+    labels = put([self.data[c.seed][0][1] for c in cells])
+    tests = (put([self.data[c.seed][1][0] for c in cells]), put([self.data[c.seed][1][1] for c in cells]))
+    orders = np.stack([epoch_order(c.seed, p.train_examples, p.steps, p.batch_size) for c in cells], axis=1)
+    lrs = jnp.asarray([c.lr for c in cells], jnp.float32)
+    curves = [[] for _ in cells]
+    losses, step, times = [], 0, []
+    if partial is not None and (saved := _load_partial(partial, states)) is not None:
+      states, step, curves = saved
+      log(f"  resumed at step {step}")
+    while step < p.steps:
+      t0 = time.perf_counter()
+      states, loss = self._chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
+      loss = np.asarray(loss)
+      times.append(time.perf_counter() - t0)
+      losses.append(loss)
+      step += self.chunk_steps
+      if step % p.eval_every == 0 or step == p.steps:
+        window = np.concatenate(losses)[-p.eval_every:]
+        acc = self.accuracy(states, tests)
+        for i, curve in enumerate(curves):
+          curve.append(dict(step=step, loss=float(np.mean(window[:, i])), accuracy=float(acc[i])))
+        if partial is not None and step < p.steps:
+          _save_partial(partial, states, step, curves)
+        log(f"  step {step}: " + ", ".join(f"lr {c.lr:g} s{c.seed} {100 * a:.1f}%" for c, a in zip(cells, acc)))
+    # The first chunk of this process includes compilation: the rate is over the others when there are others.
+    steady = times[1:] or times
+    rate = self.chunk_steps * len(steady) / max(sum(steady), 1e-9)
+    results = []
+    for i, cell in enumerate(cells):
+      params = _unstack(states["params"], i)
+      model = nnx.merge(self.graph, params)
+      tok, lab = self.data[cell.seed][1]
+      rows = min(16, len(tok))
+      context = np.zeros((rows, cell.length), np.float32)
+      context[:, :2 * cell.kv] = 1.0
+      diag = common.layer_diagnostics(model, tok[:rows], context)
+      results.append(dict(cell=dataclasses.asdict(cell), protocol=dataclasses.asdict(p),
+                          accuracy=curves[i][-1]["accuracy"], final_loss=curves[i][-1]["loss"], curve=curves[i],
+                          q_geo=diag["q_geo"], recall_residual=diag["recall_residual"],
+                          state_norm=diag["state_norm"], cells_in_program=len(cells),
+                          steps_per_s=rate, steps_per_s_per_cell=rate * len(cells)))
+    if partial is not None:
+      for path in _partial_files(partial):
+        path.unlink(missing_ok=True)
+    return results
+
+
+def _partial_files(prefix: pathlib.Path):
+  return prefix.with_suffix(".npz"), prefix.with_suffix(".json")
+
+
+def _save_partial(prefix: pathlib.Path, states, step: int, curves) -> None:
+  arrays, meta = _partial_files(prefix)
+  prefix.parent.mkdir(parents=True, exist_ok=True)
+  with open(arrays.with_suffix(".tmp.npz"), "wb") as f:
+    np.savez(f, *[np.asarray(x) for x in jax.tree.leaves(states)])
+  arrays.with_suffix(".tmp.npz").replace(arrays)
+  meta.with_suffix(".tmp").write_text(json.dumps(dict(step=step, curves=curves)))
+  meta.with_suffix(".tmp").replace(meta)
+
+
+def _load_partial(prefix: pathlib.Path, like):
+  """(states, step, curves) saved by `_save_partial` for states shaped like `like`, or None."""
+  arrays, meta = _partial_files(prefix)
+  if not (arrays.is_file() and meta.is_file()):
+    return None
+  saved = json.loads(meta.read_text())
+  with np.load(arrays) as data:
+    leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+  ref, treedef = jax.tree.flatten(like)
+  if len(leaves) != len(ref) or any(a.shape != b.shape for a, b in zip(leaves, ref)):
+    return None
+  states = jax.tree.unflatten(treedef, [jnp.asarray(a, b.dtype) for a, b in zip(leaves, ref)])
+  return states, saved["step"], saved["curves"]
+
+
+def groups(cells: list[Cell]) -> list[list[Cell]]:
+  """Cells grouped by (variant, L, kv), in first-seen order."""
+  out = {}
+  for c in cells:
+    out.setdefault((c.variant, c.length, c.kv), []).append(c)
+  return list(out.values())
+
+
+def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, max_cells: int = 0,
+          workers: int = 0, log=print) -> list[pathlib.Path]:
+  """Trains every cell not yet in OUT, a group at a time, writing each cell's JSON when its group ends and the
+  group's state under OUT/partial/ at every point of its learning curve (a stopped sweep resumes there).
+  budget_s > 0: no group starts after that many seconds. max_cells > 0: at most that many cells in one program."""
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  todo = [c for c in cells if not done(out, protocol, c)]
+  log(f"{len(cells) - len(todo)} of {len(cells)} cells done; {len(todo)} to train")
+  start, written = time.perf_counter(), []
+  for group in groups(todo):
+    parts = [group[i:i + max_cells] for i in range(0, len(group), max_cells)] if max_cells else [group]
+    for part in parts:
+      if budget_s and time.perf_counter() - start > budget_s:
+        log("budget spent; stopping")
+        return written
+      c = part[0]
+      log(f"{c.variant} L={c.length} kv={c.kv}: {len(part)} cells")
+      prefix = out / "partial" / hashlib.sha256(" ".join(c.name(protocol) for c in part).encode()).hexdigest()[:12]
+      results = Group(protocol, part, workers=workers).run(log=log, partial=prefix)
+      where = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
+      for cell, result in zip(part, results):
+        path = out / f"{cell.name(protocol)}.json"
+        path.write_text(json.dumps(dict(result, **where), indent=1, default=common._jsonable) + "\n")
+        written.append(path)
+      log(f"  {results[0]['steps_per_s']:.1f} steps/s of {len(part)} cells: {results[0]['steps_per_s_per_cell']:.0f} "
+          "cell-steps/s")
+  return written
+
+
+# --- report ---------------------------------------------------------------------------------------------------------
+
+def read_cells(out) -> list[dict]:
+  return [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("*.json"))
+          if p.name != "grid.json" and "cell" in json.loads(p.read_text())]
+
+
+def best(results: list[dict]) -> dict:
+  """{(variant, L, kv, protocol): the best learning rate's seeds}: per learning rate the mean accuracy over its
+  seeds; the best mean wins (ties: the lower mean final loss). Value: dict(lr, mean, values [per seed], runs)."""
+  by = {}
+  for r in results:
+    c = r["cell"]
+    key = (c["variant"], c["length"], c["kv"], json.dumps(r["protocol"], sort_keys=True))
+    by.setdefault(key, {}).setdefault(c["lr"], []).append(r)
+  chosen = {}
+  for key, per_lr in by.items():
+    def score(lr):
+      runs = per_lr[lr]
+      return (np.mean([r["accuracy"] for r in runs]), -np.mean([r["final_loss"] for r in runs]))
+    lr = max(per_lr, key=score)
+    runs = sorted(per_lr[lr], key=lambda r: r["cell"]["seed"])
+    chosen[key] = dict(lr=lr, mean=float(np.mean([r["accuracy"] for r in runs])),
+                       values=[r["accuracy"] for r in runs], runs=runs, lrs=sorted(per_lr))
+  return chosen
+
+
+def _entry(b) -> str:
+  if b is None:
+    return "–"
+  text = f"{100 * b['mean']:.1f}"
+  if len(b["values"]) > 1:
+    text += " (" + " / ".join(f"{100 * v:.1f}" for v in b["values"]) + ")"
+  return text
+
+
+def report(out, variants=None) -> str:
+  """Markdown: one table per cut (best learning rate, mean over seeds with each seed's value in brackets; cut (c)
+  with the PDN paper's values beside), and OUT/grid.png; the cells of the most common protocol are reported."""
+  results = read_cells(out)
+  if not results:
+    return "no cells in " + str(out) + "\n"
+  protocols = [json.dumps(r["protocol"], sort_keys=True) for r in results]
+  main = max(set(protocols), key=protocols.count)
+  chosen = {k[:3]: v for k, v in best(results).items() if k[3] == main}
+  variants = variants or common.union([[r["cell"]["variant"] for r in results]])
+  p = json.loads(main)
+  text = []
+  for cut, pairs in CUTS.items():
+    present = [v for v in variants if any((v, length, kv) in chosen for length, kv in pairs)]
+    if not present:
+      continue
+    header = ["variant"] + [f"L={length} kv={kv}" for length, kv in pairs] + ["learning rates"]
+    rows = []
+    for v in present:
+      row = [v] + [_entry(chosen.get((v, length, kv))) for length, kv in pairs]
+      lrs = sorted({lr for length, kv in pairs if (v, length, kv) in chosen for lr in chosen[(v, length, kv)]["lrs"]})
+      rows.append(row + [", ".join(f"{lr:g}" for lr in lrs)])
+      if cut == "c" and v in PAPER_C:
+        rows.append([f"{v} (paper)"] + [str(x) for x in PAPER_C[v]] + [""])
+    text.append(f"Cut ({cut}):\n\n" + common.markdown_table(header, rows))
+  in_cuts = {pair for pairs in CUTS.values() for pair in pairs}
+  others = sorted({k[1:] for k in chosen} - in_cuts)
+  if others:
+    header = ["variant"] + [f"L={length} kv={kv}" for length, kv in others]
+    rows = [[v] + [_entry(chosen.get((v, length, kv))) for length, kv in others] for v in variants]
+    text.append("Other cells:\n\n" + common.markdown_table(header, rows))
+  note = (f"\nAccuracy (%) on {p['test_examples']} test rows; the best learning rate per cell (by the mean over "
+          f"seeds; each seed's value in brackets); {p['steps']} steps of {p['batch_size']} rows, model size "
+          f"`{p['size']}`, vocabulary {p['vocab_size']}, {p['dtype']}, {p['train_examples']} training rows. "
+          "– : not run yet.\n")
+  fig = _figure(chosen, variants)
+  if fig is not None:
+    fig.savefig(pathlib.Path(out) / "grid.png", dpi=110, bbox_inches="tight")
+  return "\n".join(text) + note
+
+
+def _figure(chosen, variants):
+  cuts = [(cut, pairs) for cut, pairs in CUTS.items() if any(k[1:] in pairs for k in chosen)]
+  if not cuts:
+    return None
+  fig, axes = common.figure(1, len(cuts), width=3.6, height=3.0)
+  for ax, (cut, pairs) in zip(axes[0], cuts):
+    x_of = (lambda length, kv: kv) if cut == "c" else (lambda length, kv: length)
+    for v in variants:
+      pts = [(x_of(length, kv), 100 * chosen[(v, length, kv)]["mean"]) for length, kv in pairs
+             if (v, length, kv) in chosen]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=v)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-2, 102)
+    ax.set_xlabel("kv pairs" if cut == "c" else "L")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title({"a": "(a) kv = 64", "b": "(b) kv : L = 1 : 8", "c": "(c) L = 1024"}[cut])
+  axes[0][-1].legend(fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+
+SMOKE = dict(protocol=Protocol(steps=8, batch_size=4, vocab_size=64, size="tiny", train_examples=64,
+                               test_examples=8, implementation="xla", eval_every=4),
+             variants=("dn",), pairs=((32, 4),), lrs=(3e-3, 1e-2), seeds=(0,))
+
+def define_flags():
+  flags.DEFINE_list("variants", ["dn", "pdn", "gdn", "pgdn"], "registry points (name[:option=value,...])")
+  flags.DEFINE_list("cut", ["c"], "the PDN paper's cuts to train: a, b, c")
+  flags.DEFINE_list("pairs", [], "explicit L:kv cells instead of the cuts, e.g. 256:64,1024:128")
+  flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "peak learning rates")
+  flags.DEFINE_list("seeds", ["0", "1"], "seeds (initialisation, training rows and their order)")
+  flags.DEFINE_integer("steps", Protocol.steps, "optimiser steps per cell")
+  flags.DEFINE_integer("batch_size", Protocol.batch_size, "rows per step")
+  flags.DEFINE_integer("vocab_size", Protocol.vocab_size, "MQAR vocabulary")
+  flags.DEFINE_string("size", Protocol.size, "model size")
+  flags.DEFINE_integer("train_examples", Protocol.train_examples, "training rows per cell")
+  flags.DEFINE_integer("test_examples", Protocol.test_examples, "test rows per cell")
+  flags.DEFINE_string("dtype", Protocol.dtype, "compute dtype")
+  flags.DEFINE_string("implementation", Protocol.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_integer("eval_every", Protocol.eval_every, "steps between points of the learning curve")
+  flags.DEFINE_float("budget_s", 0.0, "start no group after this many seconds (0: no limit)")
+  flags.DEFINE_integer("max_cells", 0, "cells per program at most (0: a whole group)")
+  flags.DEFINE_integer("workers", 0, "processes drawing the training rows (0: this one)")
+  flags.DEFINE_bool("report", False, "write the tables and figure of the cells in OUT, training nothing")
+  flags.DEFINE_bool("smoke", False, "the CI size")
+  flags.DEFINE_string("out", "docs/results/mqar", "the cells' directory")
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  if f.smoke:
+    protocol, variants, pairs, lrs, seeds = (SMOKE[k] for k in ("protocol", "variants", "pairs", "lrs", "seeds"))
+  else:
+    protocol = Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
+                        train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
+                        implementation=f.implementation, eval_every=f.eval_every)
+    variants = tuple(f.variants)
+    pairs = (tuple(tuple(map(int, p.split(":"))) for p in f.pairs) if f.pairs
+             else tuple(dict.fromkeys(pair for cut in f.cut for pair in CUTS[cut])))
+    lrs, seeds = tuple(map(float, f.lrs)), tuple(map(int, f.seeds))
+  for v in variants:
+    common.parse_variant(v)
+  if not f.report:
+    sweep(protocol, cells_of(variants, pairs, lrs, seeds), f.out, budget_s=f.budget_s, max_cells=f.max_cells,
+          workers=f.workers)
+  text = report(f.out)
+  (pathlib.Path(f.out) / "grid.md").write_text(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
