@@ -256,7 +256,7 @@ class Group:
                           accuracy=curves[i][-1]["accuracy"], final_loss=curves[i][-1]["loss"], curve=curves[i],
                           q_geo=diag["q_geo"], recall_residual=diag["recall_residual"],
                           state_norm=diag["state_norm"], cells_in_program=len(cells),
-                          steps_per_s=rate, steps_per_s_per_cell=rate * len(cells)))
+                          steps_per_s=rate, cell_steps_per_s=rate * len(cells)))
     if partial is not None:
       for path in _partial_files(partial):
         path.unlink(missing_ok=True)
@@ -325,8 +325,8 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
         path = out / f"{cell.name(protocol)}.json"
         path.write_text(json.dumps(dict(result, **where), indent=1, default=common._jsonable) + "\n")
         written.append(path)
-      log(f"  {results[0]['steps_per_s']:.1f} steps/s of {len(part)} cells: {results[0]['steps_per_s_per_cell']:.0f} "
-          "cell-steps/s")
+      log(f"  {results[0]['steps_per_s']:.1f} steps/s of {len(part)} cells side by side: "
+          f"{results[0]['cell_steps_per_s']:.0f} cell-steps/s (compilation excluded)")
   return written
 
 
