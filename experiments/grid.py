@@ -4,7 +4,7 @@ A cell is one (variant, L, kv, learning rate, seed) at one protocol (steps, rows
 training and test rows, dtype, implementation). Its result is one JSON file, `OUT/<name>.json`, holding the cell,
 its test accuracy, its learning curve (training loss and test accuracy every `eval_every` steps) and the model's
 per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
-a grid larger than one session's device time fills in over several sessions; a group stopped midway resumes from
+a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from
 its state saved under OUT/partial/ at its last curve point (on the machine that saved it: the state is not
 committed). `--report` merges every cell file of OUT into one table per cut and one figure.
 
@@ -333,8 +333,9 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
 # --- report ---------------------------------------------------------------------------------------------------------
 
 def read_cells(out) -> list[dict]:
-  return [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("*.json"))
-          if p.name != "grid.json" and "cell" in json.loads(p.read_text())]
+  """The result of every cell file in OUT."""
+  payloads = [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("*.json"))]
+  return [r for r in payloads if isinstance(r, dict) and "cell" in r]
 
 
 def best(results: list[dict]) -> dict:
