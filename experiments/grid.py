@@ -166,7 +166,8 @@ class Group:
     graph = self.graph
 
     def cell_step(state, batch, lr):
-      return make_train_step(graph, make(lr), loss_chunk=positions, loss_positions=positions)(state, batch)
+      step = make_train_step(graph, make(lr), loss_chunk=positions, loss_positions=positions)
+      return step(state, batch, segments_per_row=1)   # one sequence per row: the unpacked solves
 
     def chunk(states, lrs, tokens, labels, order):
       def body(states, rows):

@@ -44,6 +44,14 @@ def test_cells_side_by_side_train_as_alone(tmp_path):
   assert both[0]["curve"][0]["loss"] != both[1]["curve"][0]["loss"]
 
 
+def test_cells_run_the_unpacked_kernels():
+  """A cell's rows are single sequences: its step runs the unpacked solves, which the Pallas kernels serve (the
+  packed path with traced segment ids refuses `implementation="pallas"` without a static segment count)."""
+  protocol = dataclasses.replace(TINY, steps=2, eval_every=2, implementation="pallas")
+  result = grid.Group(protocol, grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])).run(log=lambda *_: None)
+  assert np.isfinite(result[0]["final_loss"])
+
+
 def test_epoch_order_visits_every_row_once_per_epoch():
   order = grid.epoch_order(3, rows=10, steps=7, batch=3)    # 3 batches per epoch, row 10 % 3 dropped each epoch
   for epoch in range(2):

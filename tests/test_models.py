@@ -152,12 +152,26 @@ def test_bf16_compute_keeps_fp32_parameters():
   assert rel_rms(y16, y32) < 3e-2
 
 
+def test_unrolled_layers_equal_the_scan():
+  """`scan_layers=False` computes the function and gradients of the scanned stack, without the loop over layers."""
+  scanned, unrolled = _tiny("pgdn"), _tiny("pgdn", scan_layers=False)
+  graph_s, params = nnx.split(scanned, nnx.Param)
+  graph_u = nnx.split(unrolled, nnx.Param)[0]
+  loss = lambda graph, p: _loss(nnx.merge(graph, p), TOKENS)
+  (ls, gs), (lu, gu) = (jax.value_and_grad(loss, argnums=1)(g, params) for g in (graph_s, graph_u))
+  np.testing.assert_allclose(lu, ls, rtol=1e-6)
+  assert max(jax.tree.leaves(jax.tree.map(rel_rms, gu, gs))) < 1e-5   # fp32 rounding of other fusions
+  loops = lambda graph: jax.jit(loss, static_argnums=0).lower(graph, params).as_text().count("stablehlo.while")
+  assert loops(graph_u) < loops(graph_s)
+
+
 @pytest.mark.parametrize("overrides,field", [
     (dict(num_heads=3), "`num_heads`"),
     (dict(num_value_heads=3), "`num_value_heads`"),
     (dict(vocab_size=0), "`vocab_size`"),
     (dict(chunk_size=48), "`chunk_size`"),
     (dict(dtype=jnp.int8), "`dtype`"),
+    (dict(scan_layers=0), "`scan_layers`"),
 ])
 def test_bad_configs_raise_value_errors_naming_the_field(overrides, field):
   with pytest.raises(ValueError, match=field):

@@ -59,6 +59,8 @@ class ModelConfig:
   output_gate: default the KDA family only (see `layers.MixerConfig`). dtype: the compute dtype (activations
   and matmuls); parameters are fp32 and the residual stream stays fp32. init_std: the embedding's init std.
   remat: what each block keeps for the backward pass in `LanguageModel.hidden` (`REMAT_POLICIES`).
+  scan_layers: the blocks run as one `lax.scan` step compiled once (True), or unrolled (False: no loop, so no
+  per-layer stacking of activations and residuals; faster for a few layers, compiles longer for many).
   norm_eps and init_std are finite and > 0.
   """
   variant: str
@@ -80,6 +82,7 @@ class ModelConfig:
   dtype: Any = jnp.float32
   init_std: float = 0.02
   remat: str = "none"
+  scan_layers: bool = True
   name: str = ""
 
   def __post_init__(self):
@@ -97,6 +100,8 @@ class ModelConfig:
                             implementation=self.implementation, init_std=self.init_std)
     if not isinstance(self.remat, str) or self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig: `remat` must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig: `scan_layers` must be a bool, got {self.scan_layers!r}")
     if not isinstance(self.name, str):
       raise ValueError(f"ModelConfig: `name` must be a str, got {self.name!r}")
     options = dgps.checks.option_mapping("ModelConfig", self.point_options)

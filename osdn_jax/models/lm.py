@@ -65,7 +65,7 @@ class LanguageModel(nnx.Module):
 
   embed [vocab, D] (init N(0, init_std²)) is also the output head; blocks: L `Block`s stored stacked (every
   parameter has a leading layer axis [L, ...]) and applied with `lax.scan`, so a step compiles one block
-  whatever L; final_norm [D].
+  whatever L (or unrolled: `ModelConfig.scan_layers`); final_norm [D].
 
   Token ids are checked: a ValueError naming the argument for a wrong rank or dtype or (concrete ids) the first
   position and value outside [0, vocab). Traced ids (under jit) are checked in checked mode (`osdn_jax.checking`);
@@ -93,7 +93,7 @@ class LanguageModel(nnx.Module):
     body = lambda x, inp: fn(nnx.merge(graphdef, inp[0]), x, inp[1])
     if remat and self.cfg.remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (params, per_layer))
+    return jax.lax.scan(body, x, (params, per_layer), unroll=not self.cfg.scan_layers)
 
   def _embed(self, tokens, *, where: str, name: str = "tokens", rank: int = 2):
     """Token ids [B, T] (or [B]) → embeddings [B, T, D] fp32, the ids checked (`check_ids`). Traced ids are

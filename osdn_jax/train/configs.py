@@ -13,6 +13,7 @@ Fields (every one overridable from the command line):
   dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
   implementation, chunk_size   the solve's (`ops` vocabulary: auto | reference | xla | pallas)
   remat         what a block keeps for the backward (`models.config.REMAT_POLICIES`)
+  scan_layers   blocks as one `lax.scan` (True) or unrolled (False: faster for a few layers)
   seq_len, batch_size   tokens per row and rows per optimiser step over all devices
   grad_accum    microbatches per step (batch_size / grad_accum rows each)
   loss_chunk    tokens per piece of the cross-entropy (the [tokens, vocab] logits exist one piece at a time)
@@ -48,6 +49,7 @@ def base() -> ml_collections.ConfigDict:
   c.implementation = "auto"
   c.chunk_size = 64
   c.remat = "dots_solve"
+  c.scan_layers = True
   c.seq_len = 2048
   c.batch_size = 16
   c.grad_accum = 1
@@ -112,6 +114,7 @@ def mqar() -> ml_collections.ConfigDict:
   c.model = "gdn-mqar"
   c.dtype = "float32"
   c.remat = "none"
+  c.scan_layers = False
   c.seq_len = 256
   c.batch_size = 64
   c.loss_chunk = 256
@@ -163,6 +166,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train config: `point_options` of {c.model!r}: {e}") from None
   if c.dtype not in DTYPES:
     raise ValueError(f"train config: `dtype` must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
+  if not isinstance(c.get("scan_layers", True), bool):
+    raise ValueError(f"train config: `scan_layers` must be a bool, got {c.scan_layers!r}")
   if c.remat not in REMAT_POLICIES:
     raise ValueError(f"train config: `remat` must be one of {', '.join(REMAT_POLICIES)}, "
                      f"got {c.remat!r}")

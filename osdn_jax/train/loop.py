@@ -60,6 +60,7 @@ class TrainResult:
 def model_config(config, vocab_size: int) -> models.ModelConfig:
   return models.config(config.model, vocab_size=vocab_size, dtype=jnp.dtype(config.dtype),
                        chunk_size=config.chunk_size, implementation=config.implementation, remat=config.remat,
+                       scan_layers=config.get("scan_layers", True),
                        point_options=tuple(dict(config.get("point_options", {})).items()))
 
 
