@@ -6,7 +6,8 @@ its test accuracy, its learning curve (training loss and test accuracy every `ev
 per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
 a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from
 its state saved under OUT/partial/ at its last curve point (on the machine that saved it: the state is not
-committed). `--report` merges every cell file of OUT into one table per cut and one figure.
+committed). `--report` merges every cell file of OUT into one table per cut, one figure of the cuts (grid.png) and the
+learning curves (curves.png).
 
 The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
 states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them
@@ -406,6 +407,8 @@ def report(out, variants=None) -> str:
   fig = _figure(chosen, variants)
   if fig is not None:
     fig.savefig(pathlib.Path(out) / "grid.png", dpi=110, bbox_inches="tight")
+  curves = _curves([r for r, key in zip(results, protocols) if key == main], variants)
+  curves.savefig(pathlib.Path(out) / "curves.png", dpi=110, bbox_inches="tight")
   return "\n".join(text) + note
 
 
@@ -427,6 +430,33 @@ def _figure(chosen, variants):
     ax.set_ylabel("accuracy (%)")
     ax.set_title({"a": "(a) kv = 64", "b": "(b) kv : L = 1 : 8", "c": "(c) L = 1024"}[cut])
   axes[0][-1].legend(fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def _curves(results: list[dict], variants):
+  """Test accuracy against step: one panel per (variant, L, kv), a line per learning rate (colour) and seed
+  (line style)."""
+  keys = sorted({(r["cell"]["variant"], r["cell"]["length"], r["cell"]["kv"]) for r in results},
+                key=lambda k: (variants.index(k[0]) if k[0] in variants else len(variants), k[1], k[2]))
+  cols = min(4, len(keys))
+  fig, axes = common.figure(-(-len(keys) // cols), cols, width=3.2, height=2.6)
+  lrs = sorted({r["cell"]["lr"] for r in results})
+  for ax, key in zip(axes.ravel(), keys):
+    for r in sorted(results, key=lambda r: (r["cell"]["lr"], r["cell"]["seed"])):
+      c = r["cell"]
+      if (c["variant"], c["length"], c["kv"]) != key:
+        continue
+      steps = [p["step"] for p in r["curve"]]
+      ax.plot(steps, [100 * p["accuracy"] for p in r["curve"]], color=f"C{lrs.index(c['lr'])}",
+              linestyle=("-", "--", ":", "-.")[c["seed"] % 4], label=f"lr {c['lr']:g} s{c['seed']}")
+    ax.set_title(f"{key[0]} L={key[1]} kv={key[2]}", fontsize=9)
+    ax.set_ylim(-2, 102)
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy (%)")
+    ax.legend(fontsize=6)
+  for ax in axes.ravel()[len(keys):]:
+    ax.set_visible(False)
   fig.tight_layout()
   return fig
 

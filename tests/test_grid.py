@@ -77,12 +77,14 @@ def test_report_takes_the_best_learning_rate_by_its_seeds_mean(tmp_path):
   def cell(lr, seed, acc):
     c = grid.Cell("dn", 1024, 32, lr, seed)
     (tmp_path / f"{c.name(TINY)}.json").write_text(json.dumps(
-        dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(TINY), accuracy=acc, final_loss=1.0)))
+        dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(TINY), accuracy=acc, final_loss=1.0,
+             curve=[dict(step=3, loss=2.0, accuracy=acc / 2), dict(step=6, loss=1.0, accuracy=acc)])))
   cell(1e-3, 0, 0.9), cell(1e-3, 1, 0.1), cell(3e-3, 0, 0.6), cell(3e-3, 1, 0.5)
   text = grid.report(tmp_path)
   assert "| dn | 55.0 (60.0 / 50.0) | – | – | – | 0.001, 0.003 |" in text
   assert "| dn (paper) | 99 | 99 | 85 | 46 |" in text
   assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_stopped_group_resumes_from_its_last_curve_point(tmp_path):
