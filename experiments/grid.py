@@ -67,13 +67,14 @@ class Protocol:
   dtype: str = "float32"
   implementation: str = "auto"
   eval_every: int = 500
+  reads: int = 1
 
   def sweep(self, variant: str, length: int, kv: int) -> mqar.Sweep:
     """The `experiments.mqar` sweep whose trainer config this cell trains (one length, one kv)."""
     return mqar.Sweep(variants=(variant,), lengths=(length,), kv=(kv,), lrs=(1e-3,), steps=self.steps,
                       batch_size=self.batch_size, size=self.size, vocab_size=self.vocab_size,
                       train_examples=self.train_examples, test_examples=self.test_examples,
-                      implementation=self.implementation, dtype=self.dtype)
+                      implementation=self.implementation, dtype=self.dtype, reads=self.reads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Cell:
     """A file name that says the cell and hashes the whole protocol."""
     identity = json.dumps([dataclasses.asdict(self), dataclasses.asdict(protocol)], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
-    return f"{mqar.run_name(self.variant, self.length, self.kv, self.lr)}_s{self.seed}_{digest}"
+    return f"{mqar.run_name(self.variant, self.length, self.kv, self.lr, protocol.reads)}_s{self.seed}_{digest}"
 
 
 def cells_of(variants, pairs, lrs, seeds) -> list[Cell]:
@@ -183,9 +184,11 @@ class Group:
     self.data = {}   # seed → ((train inputs, labels), (test inputs, labels)), int32 [rows, L] each
     for s in seeds:
       train = MQARSource(vocab_size=protocol.vocab_size, length=first.length, num_pairs=first.kv,
-                         num_records=protocol.train_examples, seed=s, power_a=self.config.data.mqar_power)
+                         num_records=protocol.train_examples, seed=s, power_a=self.config.data.mqar_power,
+                         context_reads=protocol.reads)
       test = MQARSource(vocab_size=protocol.vocab_size, length=first.length, num_pairs=first.kv,
-                        num_records=protocol.test_examples, seed=s + 1_000_003, power_a=self.config.data.mqar_power)
+                        num_records=protocol.test_examples, seed=s + 1_000_003, power_a=self.config.data.mqar_power,
+                        context_reads=protocol.reads)
       self.data[s] = (mqar_rows(train, protocol.train_examples, workers), mqar_rows(test, protocol.test_examples))
     self.small = np.int16 if protocol.vocab_size < 2**15 else np.int32
 
@@ -251,8 +254,8 @@ class Group:
       model = nnx.merge(self.graph, params)
       tok, lab = self.data[cell.seed][1]
       rows = min(16, len(tok))
-      context = np.zeros((rows, cell.length), np.float32)
-      context[:, :2 * cell.kv] = 1.0
+      context = np.zeros(tok[:rows].shape, np.float32)
+      context[:, :2 * cell.kv * p.reads] = 1.0    # the kv block, every read of it
       diag = common.layer_diagnostics(model, tok[:rows], context)
       results.append(dict(cell=dataclasses.asdict(cell), protocol=dataclasses.asdict(p),
                           accuracy=curves[i][-1]["accuracy"], final_loss=curves[i][-1]["loss"], curve=curves[i],
@@ -371,12 +374,14 @@ def _entry(b) -> str:
 
 def report(out, variants=None) -> str:
   """Markdown: one table per cut (best learning rate, mean over seeds with each seed's value in brackets; cut (c)
-  with the PDN paper's values beside), and OUT/grid.png; the cells of the most common protocol are reported."""
+  with the PDN paper's values beside), the read-twice gains, OUT/grid.png and OUT/curves.png; the cells of the
+  most common protocol with reads = 1 are reported, and their read-twice counterparts."""
   results = read_cells(out)
   if not results:
     return "no cells in " + str(out) + "\n"
   protocols = [json.dumps(r["protocol"], sort_keys=True) for r in results]
-  main = max(set(protocols), key=protocols.count)
+  once = [k for k in protocols if json.loads(k).get("reads", 1) == 1] or protocols
+  main = max(set(once), key=once.count)
   chosen = {k[:3]: v for k, v in best(results).items() if k[3] == main}
   variants = variants or common.union([[r["cell"]["variant"] for r in results]])
   p = json.loads(main)
@@ -394,6 +399,9 @@ def report(out, variants=None) -> str:
       if cut == "c" and v in PAPER_C:
         rows.append([f"{v} (paper)"] + [str(x) for x in PAPER_C[v]] + [""])
     text.append(f"Cut ({cut}):\n\n" + common.markdown_table(header, rows))
+  twice = _read_twice(results, p)
+  if twice:
+    text.append(twice)
   in_cuts = {pair for pairs in CUTS.values() for pair in pairs}
   others = sorted({k[1:] for k in chosen} - in_cuts)
   if others:
@@ -410,6 +418,24 @@ def report(out, variants=None) -> str:
   curves = _curves([r for r, key in zip(results, protocols) if key == main], variants)
   curves.savefig(pathlib.Path(out) / "curves.png", dpi=110, bbox_inches="tight")
   return "\n".join(text) + note
+
+
+def _read_twice(results: list[dict], main: dict) -> str:
+  """A table of the cells run at reads 1 and 2 under the main protocol otherwise: the best learning rate's mean
+  at each, and the gain of reading the kv block twice (points)."""
+  def key(r, reads):
+    return json.dumps(dict(r["protocol"], reads=reads), sort_keys=True)
+  chosen = best(results)
+  once = {k[:3]: v for k, v in chosen.items() if k[3] == key({"protocol": main}, 1)}
+  twice = {k[:3]: v for k, v in chosen.items() if k[3] == key({"protocol": main}, 2)}
+  both = [k for k in twice if k in once]
+  if not both:
+    return ""
+  rows = [[v, f"{length}", f"{kv}", _entry(once[(v, length, kv)]), _entry(twice[(v, length, kv)]),
+           f"{100 * (twice[(v, length, kv)]['mean'] - once[(v, length, kv)]['mean']):+.1f}"]
+          for v, length, kv in sorted(both)]
+  return "Read twice (the kv block read once, then twice):\n\n" + common.markdown_table(
+      ["variant", "L", "kv", "once", "twice", "gain (points)"], rows)
 
 
 def _figure(chosen, variants):
@@ -482,6 +508,7 @@ def define_flags():
   flags.DEFINE_string("dtype", Protocol.dtype, "compute dtype")
   flags.DEFINE_string("implementation", Protocol.implementation, "auto | xla | pallas | reference")
   flags.DEFINE_integer("eval_every", Protocol.eval_every, "steps between points of the learning curve")
+  flags.DEFINE_integer("reads", Protocol.reads, "times the kv block is read before the queries (1 or 2)")
   flags.DEFINE_float("budget_s", 0.0, "start no group after this many seconds (0: no limit)")
   flags.DEFINE_integer("max_cells", 0, "cells per program at most (0: a whole group)")
   flags.DEFINE_integer("workers", 0, "processes drawing the training rows (0: this one)")
@@ -498,7 +525,7 @@ def main(argv):
   else:
     protocol = Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
                         train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                        implementation=f.implementation, eval_every=f.eval_every)
+                        implementation=f.implementation, eval_every=f.eval_every, reads=f.reads)
     variants = tuple(f.variants)
     pairs = (tuple(tuple(map(int, p.split(":"))) for p in f.pairs) if f.pairs
              else tuple(dict.fromkeys(pair for cut in f.cut for pair in CUTS[cut])))

@@ -87,6 +87,25 @@ def test_report_takes_the_best_learning_rate_by_its_seeds_mean(tmp_path):
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_read_twice_cells_train_and_report_their_gain(tmp_path):
+  """reads = 2: the rows hold the kv block twice (L + 2·kv tokens), and the report sets each cell read twice beside
+  the same cell read once."""
+  twice = dataclasses.replace(TINY, steps=2, eval_every=2, reads=2)
+  cells = grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])
+  group = grid.Group(twice, cells)
+  assert group.data[0][0][0].shape == (TINY.train_examples, 16 + 2 * 2)
+  assert np.isfinite(group.run(log=lambda *_: None)[0]["final_loss"])
+  assert cells[0].name(twice).startswith("dn_L16_kv2_lr0.003_reads2_s0_")
+  for protocol, acc in ((TINY, 0.4), (dataclasses.replace(TINY, reads=2), 0.7)):
+    c = grid.Cell("dn", 1024, 32, 1e-3, 0)
+    (tmp_path / f"{c.name(protocol)}.json").write_text(json.dumps(
+        dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(protocol), accuracy=acc, final_loss=1.0,
+             curve=[dict(step=6, loss=1.0, accuracy=acc)])))
+  text = grid.report(tmp_path)
+  assert "| dn | 40.0 | – | – | – | 0.001 |" in text
+  assert "| dn | 1024 | 32 | 40.0 | 70.0 | +30.0 |" in text
+
+
 def test_a_stopped_group_resumes_from_its_last_curve_point(tmp_path):
   """The group's state saved at a curve point is resumed by the next run: its curve equals an uninterrupted one."""
   cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
