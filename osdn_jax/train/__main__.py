@@ -3,7 +3,9 @@
 NAME is a named config (`osdn_jax/train/configs.py`: tiny, 340m, 1.3b, mqar) or a path to a Python file with
 get_config() (ml_collections' config files: `--config=my_config.py:arg`). Every field can be overridden, e.g.
 `--config.steps=200 --config.model=pgdn-340m --config.optimizer.lr=1e-3 --config.mesh.fsdp=2`.
-Running again on the same DIR resumes from its newest complete checkpoint.
+Running again on the same DIR resumes from its newest complete checkpoint that passes its checksums; the resume
+may change only `steps` and the logging, checkpointing and progress fields (`loop.RESUMABLE`). A second trainer
+on a DIR that one is running in stops at once (`WorkdirLockedError`).
 
 Several processes (docs/training.md, "Several processes"): every process runs the same command. With
 --distributed alone, each first joins the run through `jax.distributed.initialize()`, which reads the cluster's

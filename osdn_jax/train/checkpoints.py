@@ -1,19 +1,34 @@
 """Checkpoints: orbax's CheckpointManager (asynchronous, keep-N, atomic) holding the training state and each
-process's data-iterator position, under DIR/checkpoints/<step>/.
+process's data-iterator position, under DIR/checkpoints/<step>/, with the SHA-256 of every file it wrote in
+DIR/checkpoints/<step>/checksums.json.
 
 A step directory appears only once its save is complete (orbax writes to a temporary name and renames), so a
 process killed mid-save leaves the previous checkpoints intact and the temporary one is removed at the next
-start. A complete checkpoint that cannot be read (a damaged file) is skipped with a warning naming it, and the
-one before it is tried.
+start. The checksums are written into the temporary directory after every process's files and before the
+rename, so a complete checkpoint always holds them. A restore first verifies them (every listed file present,
+with its digest); a checkpoint that fails (a changed byte, a missing file or checksums.json) or that cannot be
+read is skipped with a warning naming it, and the one before it is tried.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging as py_logging
+import os
+import pathlib
 
 import grain.checkpoint
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
+from orbax.checkpoint.path import atomicity_types
+
+CHECKSUMS = "checksums.json"
+# Top-level files orbax writes or rewrites at the commit, after the checksums: the step's metadata (its commit
+# time; no array or position) and the commit marker.
+_COMMITTED_LATER = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class _DataPosition:
@@ -47,37 +62,120 @@ def quiet_checkpoint_logs() -> None:
     handler.addFilter(_QuietOrbax())
 
 
+def _digest(path: pathlib.Path) -> str:
+  with path.open("rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _summed_files(step_dir: pathlib.Path) -> list[str]:
+  """The paths (relative, "/"-separated) of a checkpoint directory's files that its checksums cover."""
+  return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*")
+                if p.is_file() and not (p.parent == step_dir and p.name in (CHECKSUMS, *_COMMITTED_LATER)))
+
+
+def write_checksums(step_dir) -> None:
+  """Writes step_dir/checksums.json: {"sha256": {relative path: hex digest}} of every file it covers."""
+  step_dir = pathlib.Path(step_dir)
+  sums = {name: _digest(step_dir / name) for name in _summed_files(step_dir)}
+  part = step_dir / f"{CHECKSUMS}.part"
+  part.write_text(json.dumps({"sha256": sums}, indent=1, sort_keys=True) + "\n")
+  os.replace(part, step_dir / CHECKSUMS)
+
+
+def verify(step_dir) -> str | None:
+  """Why the checkpoint directory fails its checksums (a file missing or changed, checksums.json unreadable), or
+  None when every file checksums.json lists has its digest. A checkpoint written without checksums.json (by a
+  version that wrote none) is restored unverified, with a warning."""
+  step_dir = pathlib.Path(step_dir)
+  try:
+    sums = json.loads((step_dir / CHECKSUMS).read_text())["sha256"]
+  except FileNotFoundError:
+    logging.warning("checkpoint %s holds no %s: restored without verification", step_dir, CHECKSUMS)
+    return None
+  except (ValueError, KeyError, TypeError):   # UnicodeDecodeError is a ValueError
+    return f"its {CHECKSUMS} is unreadable"
+  if not isinstance(sums, dict):
+    return f"its {CHECKSUMS} is unreadable"
+  for name, want in sorted(sums.items()):
+    path = step_dir / name
+    if not path.is_file():
+      return f"{name} is missing"
+    if _digest(path) != want:
+      return f"{name} does not match its checksum"
+  return None
+
+
 class Checkpoints:
-  def __init__(self, directory, *, keep: int, async_save: bool = True):
-    self.directory = directory
+  """orbax's manager over `directory` (keep: checkpoints kept; async_save: whether `save` returns before the
+  files are written; read_only: for restores only, leaving the directory as it is, a running trainer's
+  temporary checkpoint included)."""
+
+  def __init__(self, directory, *, keep: int, async_save: bool = True, read_only: bool = False):
+    self.directory = pathlib.Path(directory)
+    self.async_save = async_save
+    self._saving = None   # the step whose save is in flight (one at a time)
+    # Always orbax's asynchronous checkpointer (its post-finalisation callback writes the checksums); a
+    # synchronous save waits for it.
     self.manager = ocp.CheckpointManager(
         directory, item_names=("state", "data"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                             cleanup_tmp_directories=True, create=True))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums)))
+
+  def _write_checksums(self) -> None:
+    """orbax's post-finalisation callback: on process 0, in the save's thread, once every process's files are
+    written and before the commit renames the temporary directory (which then is the step's)."""
+    for path in (self.directory / f"{self._saving}{atomicity_types.TMP_DIR_SUFFIX}",
+                 self.directory / str(self._saving)):
+      if path.is_dir():
+        return write_checksums(path)
+    raise FileNotFoundError(f"checkpoint {self._saving}: no directory under {self.directory} to write its "
+                            f"{CHECKSUMS} into")
 
   def save(self, step: int, state, data_state) -> None:
-    """Starts saving `state` (a pytree of arrays) and `data_state` (JSON-able) as checkpoint `step`."""
+    """Starts saving `state` (a pytree of arrays) and `data_state` (JSON-able) as checkpoint `step` (and
+    finishes it, unless async_save)."""
+    self.manager.wait_until_finished()   # orbax's save waits too; the callback reads self._saving
+    self._saving = step
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(_DataPosition(data_state))))
+    if not self.async_save:
+      self.manager.wait_until_finished()
+
+  def _failed_verification(self, step: int) -> str | None:
+    """`verify`'s answer for checkpoint `step`: read on process 0, shared with every process (so all restore
+    the same checkpoint)."""
+    problem = verify(self.directory / str(step)) if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+      failed = bool(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
+      problem = (problem or "it fails verification on process 0") if failed else None
+    return problem
+
+  def _skip(self, step: int, why: str) -> None:
+    logging.warning("checkpoint %s/%d cannot be restored (%s); falling back to the previous one", self.directory,
+                    step, why)
 
   def restore_latest(self, abstract_state, *, step: int | None = None):
-    """(step, state, data_state) of the newest readable checkpoint (of checkpoint `step` only, if given), or
-    None if there is none.
+    """(step, state, data_state) of the newest checkpoint that passes its checksums and can be read (of
+    checkpoint `step` only, if given), or None if there is none.
 
     abstract_state: the state's pytree of jax.ShapeDtypeStruct with shardings (where the arrays go). Raises
-    RuntimeError when checkpoints exist but none can be read (a run of another model, say): starting afresh
+    RuntimeError when checkpoints exist but none can be restored (a run of another model, say): starting afresh
     there would mix two runs in one directory."""
     steps = sorted(self.manager.all_steps(), reverse=True)
     if step is not None:
       steps = [s for s in steps if s == step]
     for step in steps:
+      if problem := self._failed_verification(step):
+        self._skip(step, f"fails verification: {problem}")
+        continue
       position = _DataPosition()
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(position)))
       except Exception as e:  # noqa: BLE001 — any unreadable checkpoint falls back to the one before
-        logging.warning("checkpoint %s/%d cannot be restored (%s: %s); falling back to the previous one",
-                        self.directory, step, type(e).__name__, str(e).splitlines()[0][:300])
+        self._skip(step, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
         continue
       return step, restored["state"], position.state
     if steps:

@@ -2,6 +2,12 @@
 the work directory if there is one; step, log, checkpoint; stop on a non-finite loss or gradient norm, or on a
 failed check.
 
+A work directory belongs to one trainer at a time: process 0 holds DIR/lock (`WorkdirLock`) for the whole run, and
+a second trainer on the same directory stops with `WorkdirLockedError` naming the holder. DIR/config.json holds
+the config of the latest (re)start and DIR/config_history.jsonl one record per (re)start; a resume may change only
+the fields of `RESUMABLE` (the run's length and what is logged, checkpointed and shown), and any other change
+stops it before a file but the lock is written (ValueError naming every such field, old → new).
+
 The data pipeline checks every batch's token ids on the host (`data.pipeline.check_token_ids`). The step checks
 its batch on the device in checked mode (`step.checked_train_step`: token ids, segment ids); those errors are read
 without blocking, whenever the loop fetches metrics (logging, before a checkpoint is written) and at the end, so
@@ -14,9 +20,13 @@ a failed check stops the run (ValueError naming the step) before a checkpoint ho
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import fcntl
 import json
 import math
+import os
 import pathlib
+import socket
 import time
 
 import jax
@@ -39,9 +49,62 @@ from osdn_jax.train.step import checked_train_step, graphdef, init_state, make_t
 # Steps whose checks may wait unread; beyond this the oldest are read (long finished: nothing waits in practice).
 MAX_UNREAD_CHECKS = 64
 
+CONFIG, CONFIG_HISTORY, LOCK = "config.json", "config_history.jsonl", "lock"
+# The config fields a resume may change: `steps` (the schedule is then the new length's) and the fields that
+# leave every step's computation as it was: what is logged, checkpointed and shown, and the data's prefetch depth.
+RESUMABLE = ("steps", "log_every", "checkpoint_every", "keep_checkpoints", "async_checkpoint", "progress",
+             "diagnostics_every", "data.prefetch")
+_ABSENT = "(absent)"
+
 
 class NonFiniteError(FloatingPointError):
   """Raised when a logged loss or gradient norm is NaN or ±Inf."""
+
+
+class WorkdirLockedError(RuntimeError):
+  """Raised when another trainer holds the work directory."""
+
+
+class WorkdirLock:
+  """An exclusive hold on a work directory: DIR/lock, locked with flock(2) while held and holding the holder's
+  {"host", "pid"}. The kernel releases it when the holding process ends, however it ends; `release` (or leaving
+  the `with` block) empties the file and releases it. WorkdirLockedError, naming the directory and the holder,
+  when another holds it."""
+
+  def __init__(self, workdir):
+    self.workdir = pathlib.Path(workdir)
+    self.file = os.fdopen(os.open(self.workdir / LOCK, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = self._holder()
+      self.file.close()
+      raise WorkdirLockedError(f"train: {self.workdir} is in use by another trainer ({holder}); wait for it to "
+                               "end or use another work directory") from None
+    except OSError as e:   # a filesystem without flock (some network filesystems)
+      logging.warning("train: cannot lock %s (%s); the directory is not protected from a second trainer",
+                      self.workdir / LOCK, e)
+    self.file.truncate(0)
+    self.file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    self.file.flush()
+
+  def _holder(self) -> str:
+    try:
+      owner = json.loads(self.file.read())
+      return f"host {owner['host']}, pid {owner['pid']}"
+    except (ValueError, KeyError, TypeError):
+      return "a holder that has not written its host and pid yet"
+
+  def release(self) -> None:
+    if not self.file.closed:
+      self.file.truncate(0)
+      self.file.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
 
 
 @dataclasses.dataclass
@@ -131,19 +194,109 @@ def _peak_memory_gb():
   return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
+def _lock_workdir(workdir: pathlib.Path) -> WorkdirLock | None:
+  """Process 0's `WorkdirLock` on workdir (None on the other processes, which write no file); every process
+  raises WorkdirLockedError when process 0 cannot take it."""
+  lock = error = None
+  if jax.process_index() == 0:
+    try:
+      lock = WorkdirLock(workdir)
+    except WorkdirLockedError as e:
+      error = e
+  if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(error is not None)):
+    error = error or WorkdirLockedError(f"train: {workdir} is in use by another trainer (process 0 names it)")
+  if error is not None:
+    raise error
+  return lock
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{"a.b": leaf} of a nested dict (an empty dict adds nothing)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def _record(config) -> dict:
+  """The config as config.json holds it (JSON types)."""
+  return json.loads(json.dumps(config.to_dict(), sort_keys=True))
+
+
+def config_changes(old: dict, new: dict) -> dict:
+  """{"field.sub": (old value, new value)} of the fields whose values differ between two configs as config.json
+  holds them ("(absent)" for a field one of them lacks)."""
+  a, b = _flat(old), _flat(new)
+  return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(a.keys() | b.keys())
+          if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _describe(changes: dict) -> str:
+  show = lambda v: v if v is _ABSENT else repr(v)
+  return ", ".join(f"`{k}` {show(old)} → {show(new)}" for k, (old, new) in changes.items())
+
+
+def _latest_config(workdir: pathlib.Path) -> dict | None:
+  """The config of the work directory's latest (re)start (config.json), or None when it has none."""
+  path = workdir / CONFIG
+  if not path.is_file():
+    return None
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:
+    raise ValueError(f"train: {path} is not the JSON of a config ({e}); use a new work directory") from None
+
+
+def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract):
+  """`Checkpoints.restore_latest` of a (re)start of `config`, refusing a resume that changes a field not in
+  RESUMABLE from the latest (re)start's config: RuntimeError naming those fields when no checkpoint fits the
+  state (another model, say), ValueError naming them when one was restored. Writes nothing."""
+  previous = _latest_config(workdir)
+  refused = {} if previous is None else {
+      k: v for k, v in config_changes(previous, _record(config)).items() if k not in RESUMABLE}
+  try:
+    restored = ckpt.restore_latest(abstract)
+  except RuntimeError as e:
+    if refused:
+      raise RuntimeError(f"{e}; this config changes {_describe(refused)}") from None
+    raise
+  if restored is not None and refused:
+    raise ValueError(f"train: {workdir} holds a run that this config would resume from checkpoint {restored[0]}, "
+                     f"but it changes {_describe(refused)}; a resume may change only "
+                     f"{', '.join(f'`{k}`' for k in RESUMABLE)}. Rerun with the run's settings (config.json) or "
+                     "use a new work directory")
+  return restored
+
+
+def _record_config(workdir: pathlib.Path, config, start: int) -> None:
+  """Appends this (re)start's record {"time", "start", "config"} to config_history.jsonl and makes config.json
+  its config (written whole, then renamed over the old one). start: the step it resumed from (0: afresh)."""
+  record = _record(config)
+  stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  with (workdir / CONFIG_HISTORY).open("a") as f:
+    f.write(json.dumps({"time": stamp, "start": start, "config": record}, sort_keys=True) + "\n")
+  part = workdir / f"{CONFIG}.part"
+  part.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+  os.replace(part, workdir / CONFIG)
+
+
 def train(config, workdir) -> dict:
   """Runs (or resumes) the run described by `config` in `workdir`; returns the last logged metrics."""
   return run(config, workdir).metrics
 
 
 def load(workdir, *, step: int | None = None):
-  """(model, config) of a work directory: its config.json and its newest checkpoint (or checkpoint `step`),
-  on the default device. FileNotFoundError when the directory holds no run or no checkpoint."""
+  """(model, config) of a work directory: its config.json (the latest (re)start's config) and its newest
+  checkpoint that passes its checksums (or checkpoint `step`), on the default device. FileNotFoundError when the
+  directory holds no run or no checkpoint. Reads only: a trainer may be running in the directory."""
   workdir = pathlib.Path(workdir)
-  path = workdir / "config.json"
-  if not path.is_file():
-    raise FileNotFoundError(f"train.load: no config.json in {workdir} (not a training work directory)")
-  config = configs.ml_collections.ConfigDict(json.loads(path.read_text()))
+  config = _latest_config(workdir)
+  if config is None:
+    raise FileNotFoundError(f"train.load: no {CONFIG} in {workdir} (not a training work directory)")
+  config = configs.ml_collections.ConfigDict(config)
   pipeline = data_lib.make_pipeline(dict(config.data, prefetch=0), seq_len=config.seq_len, batch_size=1,
                                     seed=config.seed)
   pipeline.close()
@@ -152,7 +305,10 @@ def load(workdir, *, step: int | None = None):
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                           jax.eval_shape(lambda: init_state(cfg, tx, config.seed)))
-  ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints, async_save=False)
+  if not (workdir / "checkpoints").is_dir():
+    raise FileNotFoundError(f"train.load: no checkpoint in {workdir / 'checkpoints'}")
+  ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints, async_save=False,
+                     read_only=True)
   try:
     restored = ckpt.restore_latest(abstract, step=step)
   finally:
@@ -168,6 +324,16 @@ def run(config, workdir) -> TrainResult:
   configs.validate(config)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  lock = _lock_workdir(workdir)
+  try:
+    return _run_holding(config, workdir)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
+  """`run` in a work directory this run holds."""
   lead = jax.process_index() == 0
   mesh = mesh_lib.make_mesh(config.mesh)
   rows = _rows_per_process(config, mesh)
@@ -177,8 +343,6 @@ def run(config, workdir) -> TrainResult:
   cfg = model_config(config, pipeline.vocab_size)
   mesh_lib.check_heads(cfg, mesh)
   mesh_lib.check_length(config.seq_len, mesh)
-  if lead:
-    (workdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
   tx = optim.make(config.optimizer, config.steps)
   schedule = optim.schedule(config.optimizer, config.steps)
 
@@ -186,8 +350,15 @@ def run(config, workdir) -> TrainResult:
   state_sh = _shard_state(abstract, mesh)
   ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints,
                      async_save=config.async_checkpoint)
-  restored = ckpt.restore_latest(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                              abstract, state_sh))
+  try:
+    restored = _restore(ckpt, config, workdir, jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh))
+  except BaseException:
+    ckpt.close()
+    pipeline.close()
+    raise
+  if lead:
+    _record_config(workdir, config, restored[0] if restored else 0)
   if restored is None:
     state = jax.jit(lambda: init_state(cfg, tx, config.seed), out_shardings=state_sh)()
     start = 0
