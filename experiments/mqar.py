@@ -52,6 +52,9 @@ class Sweep:
   implementation: str = "auto"
   dtype: str = "float32"
 
+  def __post_init__(self):
+    check_grid(self.lengths, self.kv, self.train_kv)
+
   def config(self, variant: str, length: int, kv: int, lr: float):
     """The trainer config of one run. The loss reads max(kv) positions per row in every cell, so the cells of
     one length share one compiled step."""
@@ -91,6 +94,17 @@ class Sweep:
       return [(v, length, self.train_kv, lr, tuple(kv for le, kv in self.cells() if le == length))
               for v in self.variants for length in self.lengths if 4 * self.train_kv <= length for lr in self.lrs]
     return [(v, length, kv, lr, (kv,)) for v in self.variants for length, kv in self.cells() for lr in self.lrs]
+
+
+def check_grid(lengths, kv, train_kv: int = 0) -> None:
+  """ValueError naming the flag unless every kv (and train_kv, when > 0) fits at least one length (4·kv ≤ L: the
+  kv block and as many query slots), so that no kv of the grid is dropped without a cell."""
+  lengths = tuple(lengths)
+  for name, values in (("kv", tuple(kv)), ("train_kv", (train_kv,) if train_kv else ())):
+    for n in values:
+      if not any(4 * n <= length for length in lengths):
+        raise ValueError(f"mqar: `{name}` {n} fits none of `lengths` {lengths}: a cell needs 4·kv ≤ L (the kv "
+                         f"block and as many query slots), so L ≥ {4 * n}")
 
 
 def run_name(variant: str, length: int, kv: int, lr: float, reads: int = 1) -> str:

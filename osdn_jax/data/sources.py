@@ -49,6 +49,23 @@ def corpus_files(texts_dir=None) -> list[pathlib.Path]:
   return files
 
 
+def read_text(path, owner: str = "text corpus") -> str:
+  """A corpus file's text, decoded as UTF-8 (newlines as `pathlib.Path.read_text` reads them). A file that is not
+  UTF-8 is a ValueError naming the file and the offset of its first bad byte, not a text decoded with guesses."""
+  path = pathlib.Path(path)
+  try:
+    return path.read_text(encoding="utf-8")
+  except UnicodeDecodeError:
+    data = path.read_bytes()
+    try:
+      data.decode("utf-8")
+      start = 0
+    except UnicodeDecodeError as e:
+      start = e.start
+    raise ValueError(f"{owner}: {path} is not UTF-8 text (byte 0x{data[start]:02x} at offset {start}); re-encode it "
+                     "as UTF-8 or remove it from the corpus directory") from None
+
+
 def split_blocks(text: str, block_chars: int) -> list[str]:
   """Cuts text at blank lines into blocks of whole paragraphs, each at most block_chars characters long unless
   it is a single longer paragraph. Blocks are stripped of surrounding whitespace and empty ones dropped; the text
@@ -77,6 +94,9 @@ class TextSource:
 
   split: "all", or "train" / "validation": the blocks outside / inside the fixed validation split (one block in
   `VALIDATION_EVERY`, chosen by `in_validation` from the block's name, so the split holds whatever the order).
+
+  Every file must be UTF-8: one that is not is a ValueError naming it and its first bad byte (`read_text`), not a
+  text decoded with replacement characters.
   """
 
   def __init__(self, texts_dir=None, block_chars: int = 8192, split: str = "all"):
@@ -89,7 +109,7 @@ class TextSource:
     self.records: list[str] = []
     self.names: list[str] = []
     for path in self.files:
-      for j, block in enumerate(split_blocks(path.read_text(encoding="utf-8"), block_chars)):
+      for j, block in enumerate(split_blocks(read_text(path, "TextSource"), block_chars)):
         name = f"{path.stem}:{j}"
         if split == "all" or (split == "validation") == in_validation(name):
           self.records.append(block)

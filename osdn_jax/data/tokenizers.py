@@ -97,10 +97,11 @@ class BPETokenizer:
     """Trained on every file of the corpus (`sources.corpus_files(texts_dir)`), loaded from
     `<cache_dir>/bpe-<vocab_size>-<fingerprint>.json` where an earlier call saved it. The fingerprint hashes the
     files' names and contents and the `tokenizers` version, so a changed corpus or library trains anew.
-    cache_dir: default the corpus directory's parent; where it cannot be written, nothing is cached."""
+    cache_dir: default the corpus directory's parent; where it cannot be written, nothing is cached. A file that
+    is not UTF-8 is a ValueError naming it (`sources.read_text`)."""
     import tokenizers
     files = sources.corpus_files(texts_dir)
-    texts = [p.read_text(encoding="utf-8") for p in files]
+    texts = [sources.read_text(p, "BPETokenizer.from_corpus") for p in files]
     digest = hashlib.sha256(f"{tokenizers.__version__}\0{vocab_size}".encode())
     for path, text in zip(files, texts):
       digest.update(f"\0{path.name}\0".encode() + text.encode("utf-8"))

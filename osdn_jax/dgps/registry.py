@@ -276,6 +276,47 @@ class Point:
     _check_tree(owner, "feature", features, wanted_f, sizes, lead_sym)
     _check_tree(owner, "parameter", params, wanted_p, sizes, "[")
 
+  def check_state(self, state, q, v, *, segment_ids=None, step: bool = False) -> dict:
+    """`state` as a dict, checked against q [B, (T,) H, K] and v [B, (T,) HV, V]: None or a mapping (step: one
+    holding "S"), whose "precond" is None (step: required for a stateful preconditioner) or the preconditioner's
+    state, of `initial_state`'s shape: [B, H, K] for PDN/ATQ, [B, HV, K] for OSDN (rows N when packed: state["S"]'s
+    leading axis, else counted from concrete ids), and None for the stateless preconditioners."""
+    owner = f"DGPS point {self.name!r}"
+    if state is None and not step:
+      return {}
+    if not isinstance(state, Mapping):
+      raise ValueError(f"{owner}: `state` must be a mapping {{'S': ..., 'precond': ...}} (`Point.initial_state`), "
+                       f"got {type(state).__name__}")
+    b, h, kd, hv = np.shape(q)[0], np.shape(q)[-2], np.shape(q)[-1], np.shape(v)[-2]
+    if step and state.get("S") is None:
+      raise ValueError(f"{owner}: `state` must hold \"S\", the solve's state [B, HV, K, V] = "
+                       f"{(b, hv, kd, np.shape(v)[-1])} (`Point.initial_state`), got keys {sorted(state)}")
+    p = state.get("precond")
+    if not self.stateful_precond:
+      if p is not None:
+        raise ValueError(f"{owner}: `state[\"precond\"]` must be None (precond {self.precond!r} carries no state), "
+                         f"got shape {np.shape(p)}")
+      return dict(state)
+    rows, lead = b, "B"
+    if segment_ids is not None:
+      S = state.get("S")
+      rows, lead = (np.shape(S)[0] if S is not None and np.ndim(S) else
+                    precond_fns.num_segments(segment_ids, None)), "N"
+    g, heads = (h, "H") if self.precond in ("pdn", "atq") else (hv, "HV")
+    layout = f"[{lead}, {heads}, K]"
+    if p is None:
+      if step:
+        raise ValueError(f"{owner}: `state[\"precond\"]` must be the preconditioner's state {layout} = "
+                         f"{(rows, g, kd)} (`Point.initial_state`), got None")
+      return dict(state)
+    shape = tuple(np.shape(p))
+    if len(shape) != 3 or shape[1:] != (g, kd) or (rows is not None and shape[0] != rows):
+      raise ValueError(f"{owner}: `state[\"precond\"]` must be the preconditioner's state of shape {layout} = "
+                       f"{(rows, g, kd)}, got shape {shape}")
+    if not jnp.issubdtype(jnp.result_type(p), jnp.floating):
+      raise ValueError(f"{owner}: `state[\"precond\"]` must be a floating array, got dtype {jnp.result_type(p)}")
+    return dict(state)
+
   @property
   def opts(self) -> dict:
     o = {**self._axis("precond").defaults, **dict(self.options), "solve": self.solve}
@@ -346,7 +387,8 @@ class Point:
     solve's state and the PDN/ATQ second moment pass between the shards as affine maps, OSDN's d as a ring
     (`ops.context`).
     """
-    state = state or {}
+    self.check_inputs(q, v, features, params)
+    state = self.check_state(state, q, v, segment_ids=segment_ids)
     if context is not None:
       return self._context_call(q, k, v, features, params, state, output_final_state, scale, chunk_size,
                                 segment_ids, implementation, context)
@@ -392,6 +434,7 @@ class Point:
     """One token for decoding: q, k [B, H, K], v [B, HV, V], features per token without T; state as in
     __call__ (required). Returns (o [B, HV, V], new state)."""
     self.check_inputs(q, v, features, params, per_token=True)
+    state = self.check_state(state, q, v, step=True)
     add_t = lambda x: x[:, None]
     x = self.prepare(add_t(q), add_t(k), add_t(v), jax.tree.map(add_t, features or {}), params,
                      precond_state=state.get("precond"))
@@ -469,7 +512,10 @@ def names() -> list[str]:
 
 
 def get(name: str, **options) -> Point:
-  """The named point (docs/design.md §1's table), with its preconditioner options overridden by `options`."""
+  """The named point (docs/design.md §1's table), with its preconditioner options overridden by `options`.
+  ValueError unless `name` is a registered name (a str, any case)."""
+  if not isinstance(name, str):
+    raise ValueError(f"dgps.get: `name` must be a registry name (a str), got {name!r}; known: {', '.join(POINTS)}")
   key = name.lower()
   if key not in POINTS:
     raise ValueError(f"dgps.get: unknown point {name!r}; known: {', '.join(POINTS)}")

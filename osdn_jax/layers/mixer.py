@@ -315,8 +315,12 @@ class DGPSMixer(nnx.Module):
   def step(self, x, cache: LayerCache):
     """One token for decoding: x [B, D], cache from `__call__(..., return_cache=True)` or a previous step.
 
-    Returns (y [B, D], the new cache). Equals the sequence forward token by token (`Point.step`).
+    Returns (y [B, D], the new cache). Equals the sequence forward token by token (`Point.step`). ValueError
+    naming `cache` when it holds another number of sequences than x's B (`Point.step` checks its states).
     """
+    if any(np.shape(getattr(cache, f))[:1] != np.shape(x)[:1] for f in ("S", "conv")):
+      raise ValueError(f"DGPSMixer.step: `cache` must hold B = {np.shape(x)[0]} sequences (x's rows), got "
+                       f"`cache.S` of shape {np.shape(cache.S)} and `cache.conv` of shape {np.shape(cache.conv)}")
     x = x.astype(self.cfg.dtype)
     qkv, tail = self.conv.step(self._qkv(x), cache.conv)
     q, k, v = self._split_heads(jax.nn.silu(qkv))

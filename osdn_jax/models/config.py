@@ -139,7 +139,10 @@ def names() -> list[str]:
 
 def config(name: str, **overrides) -> ModelConfig:
   """The named config ("pgdn-340m", "osdn-apf-kda-tiny", ...), with fields overridden by `overrides`
-  (e.g. dtype=jnp.bfloat16, num_value_heads=16)."""
+  (e.g. dtype=jnp.bfloat16, num_value_heads=16). ValueError naming `name` unless it is such a str."""
+  if not isinstance(name, str):
+    raise ValueError(f"models.config: `name` must be a config name '<point>-<size>' (a str, e.g. 'pgdn-340m'), "
+                     f"got {name!r}")
   variant, _, size = name.lower().rpartition("-")
   if size not in SIZES:
     raise ValueError(f"models.config: unknown size {size!r} in {name!r}; sizes: {', '.join(SIZES)} "

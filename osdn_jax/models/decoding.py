@@ -7,11 +7,11 @@
 
 All three are jitted (the model is split into its graph and state and merged inside the traced function); the
 token loop of `generate` is one `lax.scan`. Arguments are validated on the host (ValueError naming the argument):
-concrete token ids outside [0, vocab) by their first position and value. Traced ids (these functions called under
-the caller's jit) are checked when the caller runs in checked mode (`osdn_jax.checking.checked`), and otherwise
-give NaN logits from the bad position on. The cache holds, per layer, the solve's state S [B, HV, K, V], the
-preconditioner's state and the short convolution's last W − 1 inputs (a `LayerCache` stacked over layers):
-O(1) in the context length.
+concrete token ids outside [0, vocab) by their first position and value, and a cache of another batch size, layer
+count or point (`check_cache`). Traced ids (these functions called under the caller's jit) are checked when the
+caller runs in checked mode (`osdn_jax.checking.checked`), and otherwise give NaN logits from the bad position
+on. The cache holds, per layer, the solve's state S [B, HV, K, V], the preconditioner's state and the short
+convolution's last W − 1 inputs (a `LayerCache` stacked over layers): O(1) in the context length.
 """
 from __future__ import annotations
 
@@ -55,17 +55,53 @@ def _tokens(tokens, vocab_size: int, where: str, name: str, rank: int = 2):
   return tokens.astype(jnp.int32)
 
 
+def check_cache(model: LanguageModel, cache, batch: int, where: str, name: str = "cache") -> None:
+  """ValueError naming `name` unless `cache` is a decoding state of `model` for `batch` sequences: a `Cache`
+  whose leaves lead with the model's L layers and B = batch rows: S [L, B, HV, K, V], precond the point's
+  ([L, B, H, K] for PDN/ATQ, [L, B, HV, K] for OSDN, None for the points without a preconditioner state) and
+  conv [L, B, W − 1, 2·H·K + HV·V]."""
+  cfg = model.cfg
+  d = cfg.mixer.dims
+  if not isinstance(cache, Cache):
+    raise ValueError(f"{where}: `{name}` must be a models.Cache (from `prefill` or `step`), got "
+                     f"{type(cache).__name__}")
+  fresh = jax.eval_shape(lambda: cfg.point.initial_state(batch, d))     # one layer's state, nothing allocated
+  stacked = lambda x: None if x is None else (cfg.num_layers,) + tuple(x.shape)
+  lead = (cfg.num_layers, batch)
+  want = dict(S=stacked(fresh["S"]), precond=stacked(fresh["precond"]),
+              conv=lead + (cfg.conv_size - 1, 2 * d.heads * d.key_dim + d.value_heads * d.value_dim))
+  got = {f: None if getattr(cache, f) is None else tuple(np.shape(getattr(cache, f))) for f in want}
+  if got["S"] is not None and len(got["S"]) == 5 and got["S"][:2] != lead:
+    layers, rows = got["S"][:2]
+    what = (f"{layers} layers, the model has {cfg.num_layers}" if layers != cfg.num_layers else
+            f"{rows} sequences, the input has {batch}")
+    raise ValueError(f"{where}: `{name}` holds {what} (`{name}.S` must be [L, B, HV, K, V] = {want['S']}, got "
+                     f"{got['S']})")
+  if (want["precond"] is None) != (got["precond"] is None):
+    whose = "a point with" if want["precond"] is None else "a point without"
+    raise ValueError(f"{where}: `{name}` is not a {cfg.variant!r} model's (`{name}.precond` must be "
+                     f"{want['precond']}, got {got['precond']}: the cache of {whose} a preconditioner state)")
+  for f in want:
+    if got[f] != want[f]:
+      raise ValueError(f"{where}: `{name}.{f}` must be of shape {want[f]} for {cfg.num_layers} layers of "
+                       f"{cfg.variant!r} and {batch} sequences, got {got[f]}")
+
+
 def prefill(model: LanguageModel, tokens, *, cache: Cache | None = None):
-  """The chunked forward over tokens [B, T] (continuing `cache` if given). Returns (logits [B, T, vocab],
-  cache after the last token)."""
+  """The chunked forward over tokens [B, T] (continuing `cache` if given, `check_cache`). Returns (logits
+  [B, T, vocab], cache after the last token)."""
   tokens = _tokens(tokens, model.cfg.vocab_size, "prefill", "tokens")
+  if cache is not None:
+    check_cache(model, cache, tokens.shape[0], "prefill")
   graphdef, params = nnx.split(model)
   return _prefill(graphdef, params, tokens, cache)
 
 
 def step(model: LanguageModel, token, cache: Cache):
-  """One token per sequence, token [B]. Returns (logits [B, vocab], new cache)."""
+  """One token per sequence, token [B]; cache: the model's for B sequences (`check_cache`). Returns (logits
+  [B, vocab], new cache)."""
   token = _tokens(token, model.cfg.vocab_size, "step", "token", rank=1)
+  check_cache(model, cache, token.shape[0], "step")
   graphdef, params = nnx.split(model)
   return _step(graphdef, params, token, cache)
 
@@ -127,6 +163,8 @@ def generate(model: LanguageModel, prompt, num_tokens: int, *, temperature: floa
     if state is not None and prompt.shape[0] != state.logits.shape[0]:
       raise ValueError(f"generate: `prompt` has {prompt.shape[0]} rows but `state` holds {state.logits.shape[0]} "
                        f"sequences")
+  if state is not None:
+    check_cache(model, state.cache, state.logits.shape[0], "generate", "state.cache")
   if not _is_int(num_tokens) or num_tokens < 0:
     raise ValueError(f"generate: `num_tokens` must be an int ≥ 0, got {num_tokens!r}")
   t = checking.concrete(temperature)

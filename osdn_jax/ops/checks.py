@@ -6,6 +6,7 @@ that the dispatch hands to the kernels and the implementations read the decay ty
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,6 +27,8 @@ def _fail(op: str, name: str, expected: str, got) -> ValueError:
 
 
 def _check_float(op: str, name: str, x, *, allowed=_FLOAT_INPUTS) -> None:
+  if not hasattr(x, "dtype"):   # a list or a Python number: its dtype would be a guess
+    raise _fail(op, name, "an array (jax.Array or numpy.ndarray)", type(x).__name__)
   dtype = jnp.result_type(x)
   if not any(dtype == jnp.dtype(a) for a in allowed):
     names = ", ".join(jnp.dtype(a).name for a in allowed)
@@ -55,7 +58,7 @@ def _decay_kind(op: str, log_decay, b, t, hv, kd) -> str:
               "(per-channel decay)", f"shape {shape}")
 
 
-def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool):
+def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool, output_final_state=False):
   qs = _shape(q)
   rank = 3 if step else 4
   layout = "[B, H, K]" if step else "[B, T, H, K]"
@@ -79,6 +82,7 @@ def _check_common(op, q, k, v, scale, chunk_size, implementation, step: bool):
   if jnp.result_type(v) != jnp.result_type(q):
     raise _fail(op, "v", f"of q's dtype {jnp.result_type(q)}", f"dtype {jnp.result_type(v)}")
   _check_scale(op, scale)
+  _check_bool(op, "output_final_state", output_final_state)
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size not in CHUNK_SIZES:
     raise _fail(op, "chunk_size", f"an int, one of {CHUNK_SIZES}", repr(chunk_size))
   dispatch.normalize(op, implementation)
@@ -89,14 +93,23 @@ def _check_scale(op, scale) -> None:
   """scale: None or a real scalar (a Python number or a 0-d real array), finite where its value is known."""
   if scale is None:
     return
-  if isinstance(scale, bool) or _shape(scale) != ():
+  if isinstance(scale, (bool, str, bytes)) or _shape(scale) != ():
     raise _fail(op, "scale", "a real scalar or None", f"{scale!r}")
-  dtype = jnp.result_type(scale)
+  try:
+    dtype = jnp.result_type(scale)
+  except TypeError:
+    raise _fail(op, "scale", "a real scalar or None", f"{scale!r}") from None
   if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
     raise _fail(op, "scale", "a real scalar or None", f"{scale!r} of dtype {dtype}")
   value = checking.concrete(scale)
   if value is not None and not np.isfinite(value):
     raise _fail(op, "scale", "finite", repr(float(value)))
+
+
+def _check_bool(op: str, name: str, value) -> None:
+  """A flag: a Python or numpy bool (a string such as "no" would read as true)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise _fail(op, name, "a bool", repr(value))
 
 
 def _check_state(op, name, state, b, hv, kd, vd, lead_name="B"):
@@ -116,6 +129,7 @@ def _check_segments(op, segment_ids, initial_state, output_final_state, b, t) ->
     raise _fail(op, "segment_ids", "an integer array", f"dtype {jnp.result_type(segment_ids)}")
   ids = checking.concrete(segment_ids)
   if ids is not None:
+    _check_id_range(op, ids)
     if t > 1 and np.any(ids[:, 1:] < ids[:, :-1]):
       row, col = np.argwhere(ids[:, 1:] < ids[:, :-1])[0]
       raise _fail(op, "segment_ids", "non-decreasing along T in each row",
@@ -129,6 +143,20 @@ def _check_segments(op, segment_ids, initial_state, output_final_state, b, t) ->
     raise ValueError(f"{op}: with traced `segment_ids` the number of segments N is unknown; pass "
                      "`initial_state` of shape [N, HV, K, V] (zeros are fine) so that N is static")
   return None
+
+
+def _check_id_range(op, ids: np.ndarray) -> None:
+  """Concrete ids must keep their values in the dtype JAX casts them to (int32 with jax_enable_x64 off): a
+  truncated id could merge two segments."""
+  cast = jax.dtypes.canonicalize_dtype(ids.dtype)
+  if cast == ids.dtype or not ids.size:
+    return
+  info = np.iinfo(cast)
+  bad = (ids < info.min) | (ids > info.max)
+  if np.any(bad):
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise _fail(op, "segment_ids", f"ids in [{info.min}, {info.max}] (JAX casts {ids.dtype.name} to "
+                f"{cast.name} with jax_enable_x64 off)", f"{ids[at]} at {list(at)}")
 
 
 def _require_segments(op, segment_ids, n) -> None:
@@ -154,7 +182,8 @@ def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None
   With `segment_ids`, Spec.num_segments is N: counted from concrete ids (and then initial_state must be
   [N, HV, K, V]), else initial_state.shape[0], else None (allowed only without output_final_state).
   """
-  qs, vs = _check_common(op, q, k, v, scale, chunk_size, implementation, step=False)
+  qs, vs = _check_common(op, q, k, v, scale, chunk_size, implementation, step=False,
+                         output_final_state=output_final_state)
   b, t, h, kd = qs
   hv, vd = vs[2], vs[3]
   if beta is None:
@@ -174,6 +203,21 @@ def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None
   return dispatch.spec(op, jnp.result_type(q), key_dim=kd, value_dim=vd, batch=b, length=t, heads=h,
                        value_heads=hv, decay=decay, chunk_size=chunk_size, packed=segment_ids is not None,
                        num_segments=n)
+
+
+def check_context(op: str, q, k, v, *, initial_state=None, segment_ids=None, output_final_state=False, scale=None,
+                  chunk_size=64, implementation="auto") -> None:
+  """Validates what the context-parallel solves (`ops.context`) read before their local solve: the local tokens
+  q, k [B, T/P, H, K], v [B, T/P, HV, V], and the whole rows' initial_state [B, HV, K, V] ([N, HV, K, V] when
+  packed; N is then its leading axis). The local solve checks the rest."""
+  qs, vs = _check_common(op, q, k, v, scale, chunk_size, implementation, step=False,
+                         output_final_state=output_final_state)
+  b, kd, hv, vd = qs[0], qs[3], vs[2], vs[3]
+  if segment_ids is None:
+    _check_state(op, "initial_state", initial_state, b, hv, kd, vd)
+  elif initial_state is not None:
+    n = _shape(initial_state)[0] if np.ndim(initial_state) >= 1 else None
+    _check_state(op, "initial_state", initial_state, n, hv, kd, vd, "N")
 
 
 def check_step(op: str, q, k, v, state, *, beta=None, beta_required=True, k_write=None, log_decay=None,

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from osdn_jax.ops import api, common, packing
+from osdn_jax.ops import api, checks, common, packing
 
 
 class Shards(NamedTuple):
@@ -154,6 +154,9 @@ def carry(run: Callable, initial, sh: Shards):
 
 def _solve(op, q, k, v, beta, *, axis_name, k_write=None, log_decay=None, initial_state=None,
            output_final_state=False, scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+  checks.check_context(f"context.{op}", q, k, v, initial_state=initial_state, segment_ids=segment_ids,
+                       output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
+                       implementation=implementation)
   b, _, hv, vd = v.shape
   kd = k.shape[-1]
   ct = common.compute_dtype(q.dtype)

@@ -24,9 +24,11 @@ Fields (every one overridable from the command line):
   optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr), b1, b2, eps, weight_decay, clip
   mesh          data, fsdp, context, tensor: device counts per axis; one of them may be -1 (the rest of the
                 devices). context > 1 splits every row's positions (context parallelism; it divides seq_len)
-  data          `osdn_jax.data.make_pipeline`'s fields: source, tokenizer, vocab_size, text_dir, split,
+  data          `osdn_jax.data.make_pipeline`'s fields: source, path, tokenizer, vocab_size, text_dir, split,
                 block_chars, num_records, mqar_pairs, mqar_power, mqar_reads, passkey_depth, passkey_digits,
                 prefetch
+  data.path     source = tokens: the directory of `python -m osdn_jax.data.prepare` (its metadata.json sets the
+                vocabulary; docs/training.md, "Your own corpus")
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import ml_collections
 
 from osdn_jax import dgps
 from osdn_jax.models.config import REMAT_POLICIES, config as model_config
+from osdn_jax.train import mesh as mesh_lib
 
 DTYPES = ("float32", "bfloat16")
 
@@ -67,7 +70,7 @@ def base() -> ml_collections.ConfigDict:
       lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, clip=1.0))
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
   c.data = ml_collections.ConfigDict(dict(
-      source="text", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
+      source="text", path="", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
       num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0, passkey_digits=5,
       prefetch=2))
   return c
@@ -195,6 +198,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if [c.mesh.get(a, 1) for a in axes].count(-1) > 1:
     raise ValueError("train config: at most one of `mesh.data`, `mesh.fsdp`, `mesh.context`, `mesh.tensor` may "
                      "be -1")
+  if c.mesh.get("context", 1) != -1:    # -1 is resolved against the devices, and checked then
+    mesh_lib.check_length(c.seq_len, c.mesh.get("context", 1))
+  if c.data.get("source") == "tokens" and not c.data.get("path"):
+    raise ValueError("train config: `data.path` must name a directory of prepared token shards for "
+                     "data.source = tokens (`python -m osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR`)")
   if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
     raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
                      f"got {c.implementation!r}")

@@ -117,8 +117,8 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH, CONTEXT if CONTEXT in mesh.axis_names else None))
 
 
-def check_length(seq_len: int, mesh: Mesh) -> None:
-  """ValueError unless the context axis splits the sequence length."""
-  parts = mesh.shape.get(CONTEXT, 1)
+def check_length(seq_len: int, mesh: Mesh | int) -> None:
+  """ValueError unless the context axis splits the sequence length; mesh: a Mesh or the context axis's size."""
+  parts = mesh if isinstance(mesh, int) else mesh.shape.get(CONTEXT, 1)
   if seq_len % parts:
     raise ValueError(f"train config: `mesh.context` ({parts}) must divide `seq_len` ({seq_len})")
