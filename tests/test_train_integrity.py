@@ -183,6 +183,20 @@ def test_a_resume_may_extend_the_run_and_change_its_cadence(finished, tmp_path, 
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "6"]
 
 
+def test_a_run_written_before_a_field_existed_resumes_at_its_default(finished, tmp_path, caplog):
+  """A config.json without a field the trainer has now (`scan_layers`, `data.path`) resumes when the field is at
+  its default (the run's own behaviour), and is refused at another value."""
+  workdir = _copy(finished, tmp_path)
+  config = json.loads((workdir / "config.json").read_text())
+  del config["scan_layers"], config["data"]["path"]
+  (workdir / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="`scan_layers` \\(absent\\) → False"):
+    loop.train(_tiny(steps=5, scan_layers=False), workdir)
+  with caplog.at_level("INFO"):
+    loop.train(_tiny(steps=5), workdir)
+  assert "resumed from checkpoint 4" in caplog.text
+
+
 def test_config_changes_names_every_differing_field():
   old = loop._record(_tiny())
   new = loop._record(_tiny(model="pgdn-tiny", **{"optimizer.lr": 1e-3, "mesh.data": 1}))

@@ -255,8 +255,11 @@ def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract):
   RESUMABLE from the latest (re)start's config: RuntimeError naming those fields when no checkpoint fits the
   state (another model, say), ValueError naming them when one was restored. Writes nothing."""
   previous = _latest_config(workdir)
+  defaults = _flat(configs.base().to_dict())
+  # A field the run's config lacks (one the trainer gained since) at its default is the run's behaviour.
+  added = lambda k, v: v[0] is _ABSENT and k in defaults and defaults[k] == v[1]
   refused = {} if previous is None else {
-      k: v for k, v in config_changes(previous, _record(config)).items() if k not in RESUMABLE}
+      k: v for k, v in config_changes(previous, _record(config)).items() if k not in RESUMABLE and not added(k, v)}
   try:
     restored = ckpt.restore_latest(abstract)
   except RuntimeError as e:
