@@ -7,6 +7,9 @@ EXTRAS = {
     "test": ["pytest", "pytest-xdist", "hypothesis", "chex", "nbclient", "nbformat", "ipykernel"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+# The input formats and tokenizers of `python -m osdn_jax.data.prepare` beyond .txt/.jsonl/.jsonl.gz, bytes, BPE
+# and tokenizer.json: .jsonl.zst, .parquet, sentencepiece .model. Not in "all" (pyarrow is large).
+EXTRAS["corpora"] = ["zstandard", "pyarrow", "sentencepiece"]
 # libtpu at the version the installed jax pins, for compiling TPU programs on a Linux x86-64 host without a TPU
 # (osdn_jax.train.aot; its wheels exist for that platform only). Not in "all": with libtpu installed, JAX probes
 # for a TPU at start-up on every machine whose JAX_PLATFORMS does not rule it out.

@@ -9,8 +9,10 @@ Stages: source → this process's shard (records i with i % process_count == pro
 order every epoch, endlessly) → rows → batch → prefetch (a background thread, optional).
 Text: every record is tokenized with EOS appended, and the token stream is concatenated and split into rows of
 seq_len + 1 tokens (grain's ConcatThenSplit; documents span rows, and no token is padding); a row r gives
-tokens r[:-1] and targets r[1:]. "random": one record is one row of seq_len + 1 tokens. The recall tasks
-("mqar", "passkey"; `recall`) give rows of exactly seq_len tokens with their own labels.
+tokens r[:-1] and targets r[1:]. "tokens" (shards of `python -m osdn_jax.data.prepare`, `tokens.TokenRows`): the
+same rows, cut from the split's stream of documents each followed by EOS; one record is one row, so the shuffle
+is over rows (the text source shuffles documents). "random": one record is one row of seq_len + 1 tokens. The
+recall tasks ("mqar", "passkey"; `recall`) give rows of exactly seq_len tokens with their own labels.
 
 A batch (B = batch_size, this process's rows; T = seq_len):
   tokens       int32 [B, T]    what the model reads
@@ -28,11 +30,14 @@ Every batch's tokens and targets are checked against the vocabulary before it is
 reaches the device (where it would embed as NaN).
 
 Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes its `DEFAULTS` value):
-  source        "text" | "random" | "mqar" | "passkey"
+  source        "text" | "tokens" | "random" | "mqar" | "passkey"
+  path          "tokens": the directory `python -m osdn_jax.data.prepare` wrote (its metadata.json gives the
+                vocabulary and EOS; tokenizer and vocab_size are ignored)
   tokenizer     "byte" | "bpe" (text only)
   vocab_size    the BPE's size; the id range of "random" and "mqar"; ignored by the byte tokenizer and passkey (256)
   text_dir      the corpus directory ("": `sources.default_text_dir()`)
-  split         the text's blocks: "train" (all but the validation split), "validation" or "all"
+  split         the text's blocks: "train" (all but the validation split), "validation" or "all"; "tokens": the
+                prepared split ("all": train, then validation)
   block_chars   the text source's block size (`sources.TextSource`; 0: whole documents)
   num_records   distinct records of "random", "mqar" and "passkey" (one epoch)
   mqar_pairs    key-value pairs per "mqar" row (kv)
@@ -53,11 +58,11 @@ from typing import Any
 import grain
 import numpy as np
 
-from osdn_jax.data import recall, sources, tokenizers
+from osdn_jax.data import recall, sources, tokenizers, tokens
 
-SOURCES = ("text", "random", "mqar", "passkey")
-DEFAULTS = dict(source="text", tokenizer="byte", vocab_size=256, text_dir="", split="train", block_chars=8192,
-                num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
+SOURCES = ("text", "tokens", "random", "mqar", "passkey")
+DEFAULTS = dict(source="text", path="", tokenizer="byte", vocab_size=256, text_dir="", split="train",
+                block_chars=8192, num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
                 passkey_digits=5, prefetch=2)
 STATE_VERSION = 1
 # Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
@@ -81,6 +86,11 @@ def _fields(cfg) -> dict[str, Any]:
                      f"{', '.join(tokenizers.TOKENIZERS)}")
   if not isinstance(f["text_dir"], (str, bytes)) and not hasattr(f["text_dir"], "__fspath__"):
     raise ValueError(f"data config: `text_dir` must be a path (\"\" for the default), got {f['text_dir']!r}")
+  if not isinstance(f["path"], (str, bytes)) and not hasattr(f["path"], "__fspath__"):
+    raise ValueError(f"data config: `path` must be a path, got {f['path']!r}")
+  if f["source"] == "tokens" and not f["path"]:
+    raise ValueError("data config: `path` must name the directory of prepared token shards for source = tokens "
+                     "(`python -m osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR`)")
   if f["split"] not in sources.SPLITS:
     raise ValueError(f"data config: `split` must be one of {', '.join(sources.SPLITS)}, got {f['split']!r}")
   for field, minimum in (("vocab_size", 1), ("num_records", 1), ("mqar_pairs", 1), ("mqar_reads", 1),
@@ -171,12 +181,13 @@ def check_token_ids(batch: dict, vocab_size: int, where: str = "data") -> None:
 class Pipeline:
   """An endless iterator of batches (module docstring) with a JSON-serialisable position.
 
-  vocab_size: ids lie in [0, vocab_size) (every batch is checked: `check_token_ids`). tokenizer: the text's (None
-  for the other sources); eos_id: its EOS (None likewise). source: the record source (e.g. `recall.MQARSource`,
-  for its examples' structure). get_state() describes the next batch `__next__` returns, whatever a prefetch
-  thread has read ahead; set_state(state) makes this pipeline return from there on exactly what the one that
-  gave the state would have. The state holds the pipeline's `signature` (source, sizes, seed, shard, vocabulary),
-  and set_state raises ValueError for a state of a different pipeline (the prefetch depth may differ).
+  vocab_size: ids lie in [0, vocab_size) (every batch is checked: `check_token_ids`). tokenizer: the text's or the
+  prepared tokens' (None for the other sources); eos_id: its EOS (None likewise). source: the record source (e.g.
+  `recall.MQARSource`, for its examples' structure). get_state() describes the next batch `__next__` returns,
+  whatever a prefetch thread has read ahead; set_state(state) makes this pipeline return from there on exactly
+  what the one that gave the state would have. The state holds the pipeline's `signature` (source, sizes, seed,
+  shard, vocabulary), and set_state raises ValueError for a state of a different pipeline (the prefetch depth may
+  differ).
   """
 
   def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any],
@@ -250,6 +261,10 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
     # The tokenizer is trained on the whole corpus, whatever the split, so that both splits share it.
     tokenizer = tokenizers.make_tokenizer(f["tokenizer"], f["vocab_size"], source.texts_dir)
     vocab_size = tokenizer.vocab_size
+  elif f["source"] == "tokens":
+    source = tokens.TokenRows(f["path"], f["split"], length)
+    tokenizer = source.tokenizer          # vocab_size and eos_id from metadata.json; loaded on first decode
+    vocab_size = source.vocab_size
   elif f["source"] == "random":
     source = sources.RandomTokens(f["vocab_size"], length, f["num_records"], seed)
     vocab_size = f["vocab_size"]
@@ -268,6 +283,8 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
     rows = rows.map(lambda row: {"ids": row["ids"], "doc": row["ids_segment_ids"]})
   elif f["source"] == "random":
     rows = ds.map(lambda ids: {"ids": ids, "doc": np.zeros(length, np.int32)}).to_iter_dataset(_READ)
+  elif f["source"] == "tokens":
+    rows = ds.to_iter_dataset(_READ)      # records are rows {"ids", "doc"} already
   else:
     rows = ds.to_iter_dataset(_READ)
   finish = _finish_labelled if f["source"] in ("mqar", "passkey") else _finish
@@ -280,6 +297,8 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
                    records=len(source))
   if f["source"] == "text":
     signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"], split=f["split"])
+  elif f["source"] == "tokens":
+    signature.update(split=f["split"], data=source.fingerprint)
   elif f["source"] == "mqar":
     signature.update(mqar_pairs=f["mqar_pairs"], mqar_power=f["mqar_power"], mqar_reads=f["mqar_reads"])
   elif f["source"] == "passkey":

@@ -89,8 +89,12 @@ def topology_devices(topology: str) -> list:
 
 def vocab_size(config) -> int:
   """The vocabulary the trainer's data would give, without building the pipeline: 256 for bytes and passkey,
-  else `data.vocab_size` (a BPE trained on a small corpus may stop short of it)."""
+  prepared token shards' from their metadata, else `data.vocab_size` (a BPE trained on a small corpus may stop
+  short of it)."""
   data = config.data
+  if data.source == "tokens":
+    from osdn_jax.data import tokens
+    return tokens.vocab_size(data.path)
   if (data.source == "text" and data.tokenizer == "byte") or data.source == "passkey":
     return 256
   return data.vocab_size
@@ -212,10 +216,11 @@ def table(report: dict) -> str:
 
 def main() -> None:
   from absl import app, flags
-  from ml_collections import config_flags
 
-  config_flag = config_flags.DEFINE_config_file("config", None, "a named config (tiny, 340m, 1.3b, mqar) or a "
-                                                "config file", lock_config=True)
+  from osdn_jax import plugins
+
+  config_flag = configs.define_config_flag()   # as the trainer's: --config.point_options.NAME=VALUE too
+  plugins.define_imports_flag()                # --imports=my_points: points a module registers, by name
   topology = flags.DEFINE_string("topology", None, "<chip>:<shape>, e.g. v5p:4x4x4 or v5e:16x16")
   out = flags.DEFINE_string("out", None, "where to write the report as JSON")
   hlo = flags.DEFINE_string("hlo", None, "where to write the compiled program's HLO text")

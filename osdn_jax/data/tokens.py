@@ -1,0 +1,294 @@
+"""Prepared token shards (`python -m osdn_jax.data.prepare`, which documents the format) as the trainer's
+"tokens" source: `--config.data.source=tokens --config.data.path=DIR`.
+
+  TokenRows        the grain random-access source: fixed rows of `length` tokens of one split's stream
+  TokenDocuments   one split's documents, each its token ids (random access, memory-mapped)
+  read_metadata, vocab_size, load_tokenizer   DIR/metadata.json, its vocabulary, its tokenizer
+
+The stream of a split: its documents in order (the shards' order, which is the inputs' sorted order), each
+followed by EOS (metadata's `eos_id`). The shards hold no separator: boundaries come from the `.idx` files, and
+EOS is inserted here as the rows are cut, so a row looks exactly like the text source's (`pipeline`): EOS ends a
+document (its target is scored) and serves as the next one's BOS (the input whose target starts the next
+document, unscored). Row i is the stream's tokens [i·length, (i + 1)·length); the last partial row is dropped.
+
+Imports numpy only; the tokenizer (HuggingFace `tokenizers` or `sentencepiece`) is loaded on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+
+FORMAT = "osdn-tokens"
+VERSION = 1
+METADATA = "metadata.json"
+SPLITS = ("train", "validation")
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+INDEX_DTYPE = np.dtype("<u8")
+# End-of-text tokens looked for (in this order) in a tokenizer.json or sentencepiece model when --eos_token is
+# not given.
+EOS_CANDIDATES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "<|end|>",
+                  "[SEP]")
+
+
+def shard_files(split: str, number: int) -> tuple[str, str]:
+  """The token and index file names of a split's shard: ("train-00000.bin", "train-00000.idx")."""
+  return f"{split}-{number:05d}.bin", f"{split}-{number:05d}.idx"
+
+
+def _directory(path) -> pathlib.Path:
+  if not path or not isinstance(path, (str, pathlib.PurePath)) and not hasattr(path, "__fspath__"):
+    raise ValueError(f"tokens: `path` must name a directory prepared by `python -m osdn_jax.data.prepare`, "
+                     f"got {path!r}")
+  return pathlib.Path(path)
+
+
+def read_metadata(path) -> dict:
+  """DIR/metadata.json, checked for its format and version. FileNotFoundError (saying how to prepare the
+  directory) where there is none."""
+  file = _directory(path) / METADATA
+  if not file.is_file():
+    raise FileNotFoundError(f"tokens: no {METADATA} in {file.parent} (a complete run of `python -m "
+                            "osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR` writes it last)")
+  metadata = json.loads(file.read_text(encoding="utf-8"))
+  if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+    raise ValueError(f"tokens: {file} is format {metadata.get('format')!r} version {metadata.get('version')!r}, "
+                     f"expected {FORMAT!r} version {VERSION}")
+  return metadata
+
+
+def vocab_size(path) -> int:
+  """The vocabulary of a prepared directory (metadata's `vocab_size`): what the trainer's model is built for."""
+  return int(read_metadata(path)["vocab_size"])
+
+
+# -- tokenizers -----------------------------------------------------------------------------------------------
+class HFTokenizer:
+  """A HuggingFace `tokenizers` tokenizer.json, with `BPETokenizer`'s interface: encode(text) (no special tokens
+  added; text that spells a special token is encoded as ordinary text), decode(ids) (special tokens, EOS among
+  them, dropped), vocab_size, eos_id (the token `eos_token`)."""
+
+  def __init__(self, path, eos_token: str | None):
+    from tokenizers import Tokenizer
+    self._tokenizer = Tokenizer.from_file(str(path))
+    self._tokenizer.encode_special_tokens = True
+    vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+    self.vocab_size = max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+    self.eos_token = eos_token
+    self.eos_id = None if eos_token is None else self._tokenizer.token_to_id(eos_token)
+    if eos_token is not None and self.eos_id is None:
+      raise ValueError(f"tokens: the tokenizer {path} has no token {eos_token!r}")
+
+  @staticmethod
+  def find_eos(path) -> str | None:
+    """The first of `EOS_CANDIDATES` that the tokenizer.json holds, or None."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(path))
+    return next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece model (needs the `sentencepiece` package), with the same interface. EOS: `eos_token` when
+  given, else the model's own eos id."""
+
+  def __init__(self, path, eos_token: str | None):
+    sentencepiece = require("sentencepiece", "a sentencepiece .model tokenizer")
+    self._model = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    self.vocab_size = int(self._model.get_piece_size())
+    self.eos_token = eos_token
+    if eos_token is not None:
+      self.eos_id = int(self._model.piece_to_id(eos_token))
+      if self._model.id_to_piece(self.eos_id) != eos_token:
+        raise ValueError(f"tokens: the sentencepiece model {path} has no piece {eos_token!r}")
+    else:
+      self.eos_id = int(self._model.eos_id()) if self._model.eos_id() >= 0 else None
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    return self._model.encode(texts, out_type=int)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._model.encode(text, out_type=int), np.int32)
+
+  def decode(self, ids) -> str:
+    ids = [int(i) for i in np.asarray(ids).reshape(-1) if int(i) != self.eos_id]
+    return self._model.decode(ids)
+
+
+def require(package: str, purpose: str):
+  """The imported package, or ImportError naming it (`pip install PACKAGE`) and what needs it."""
+  import importlib
+  try:
+    return importlib.import_module(package)
+  except ImportError:
+    raise ImportError(f"{purpose} needs the `{package}` package, which is not installed: pip install {package} "
+                      "(or the osdn-jax extra `corpora`)") from None
+
+
+def load_tokenizer(path, metadata: dict | None = None):
+  """The tokenizer a prepared directory was made with: `tokenizers.ByteTokenizer` for bytes, `HFTokenizer` for
+  a trained BPE or a tokenizer.json (DIR/tokenizer.json), `SentencePieceTokenizer` (DIR/tokenizer.model)."""
+  metadata = read_metadata(path) if metadata is None else metadata
+  info = metadata["tokenizer"]
+  if info["kind"] == "bytes":
+    from osdn_jax.data.tokenizers import ByteTokenizer
+    return ByteTokenizer()
+  file = pathlib.Path(path) / info["file"]
+  if info["kind"] == "sentencepiece":
+    return SentencePieceTokenizer(file, metadata.get("eos_token"))
+  return HFTokenizer(file, metadata.get("eos_token"))
+
+
+class LazyTokenizer:
+  """A prepared directory's tokenizer, loaded on the first encode or decode; vocab_size and eos_id come from the
+  metadata, so a training run that never decodes needs no tokenizer package."""
+
+  def __init__(self, path, metadata: dict):
+    self._path, self._metadata, self._loaded = pathlib.Path(path), metadata, None
+    self.vocab_size = int(metadata["vocab_size"])
+    self.eos_id = int(metadata["eos_id"])
+
+  def _get(self):
+    if self._loaded is None:
+      self._loaded = load_tokenizer(self._path, self._metadata)
+    return self._loaded
+
+  def encode(self, text: str) -> np.ndarray:
+    return self._get().encode(text)
+
+  def decode(self, ids) -> str:
+    return self._get().decode(ids)
+
+
+# -- documents and rows ---------------------------------------------------------------------------------------
+class TokenDocuments:
+  """The documents of one split ("train", "validation" or "all": train then validation) of a prepared directory:
+  `docs[j]` is document j's token ids (a read-only view of the memory-mapped shard, the file's dtype).
+
+  Opening checks every shard's files against the metadata's sizes (a truncated copy is a ValueError naming the
+  file) and reads the indexes into memory: 8 bytes per document. Tokens stay on disk (numpy memmaps, opened on
+  first use and not pickled)."""
+
+  def __init__(self, path, split: str = "train"):
+    self.path = _directory(path)
+    if split not in SPLITS + ("all",):
+      raise ValueError(f"tokens: `split` must be one of {', '.join(SPLITS + ('all',))}, got {split!r}")
+    self.metadata = read_metadata(self.path)
+    self.split = split
+    self.dtype = DTYPES[self.metadata["dtype"]]
+    self.shards: list[dict] = []
+    for name in (SPLITS if split == "all" else (split,)):
+      self.shards += self.metadata["splits"][name]["shards"]
+    lengths = []
+    for shard in self.shards:
+      for key, size in (("bin", shard["tokens"] * self.dtype.itemsize),
+                        ("idx", (shard["documents"] + 1) * INDEX_DTYPE.itemsize)):
+        file = self.path / shard[key]
+        if not file.is_file() or file.stat().st_size != size:
+          raise ValueError(f"tokens: {file} should hold {size} bytes (metadata.json), "
+                           f"{'is missing' if not file.is_file() else f'holds {file.stat().st_size}'}; "
+                           "prepare the directory again or copy it whole")
+      offsets = np.fromfile(self.path / shard["idx"], INDEX_DTYPE).astype(np.int64)
+      if offsets[0] != 0 or offsets[-1] != shard["tokens"] or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"tokens: {self.path / shard['idx']} is not an index of {shard['tokens']} tokens")
+      lengths.append(np.diff(offsets))
+    self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    # Document j: shard shard_of[j], tokens [start, start + lengths[j]) of that shard's file.
+    docs = np.array([s["documents"] for s in self.shards], np.int64)
+    self._doc_base = np.concatenate([[0], np.cumsum(docs)])
+    self._token_base = np.concatenate([[0], np.cumsum([s["tokens"] for s in self.shards])]).astype(np.int64)
+    self.token_starts = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)   # over all shards
+    self._maps: dict[int, np.memmap] = {}
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_maps"] = {}
+    return state
+
+  def __len__(self) -> int:
+    return len(self.lengths)
+
+  def _shard(self, number: int) -> np.ndarray:
+    if number not in self._maps:
+      shard = self.shards[number]
+      self._maps[number] = np.memmap(self.path / shard["bin"], self.dtype, mode="r", shape=(shard["tokens"],))
+    return self._maps[number]
+
+  def tokens(self, j: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Tokens [start, stop) of document j (default: all of it)."""
+    shard = int(np.searchsorted(self._doc_base, j, side="right") - 1)
+    base = int(self.token_starts[j] - self._token_base[shard])
+    stop = int(self.lengths[j]) if stop is None else stop
+    return self._shard(shard)[base + start:base + stop]
+
+  def __getitem__(self, j: int) -> np.ndarray:
+    j = int(j)
+    if not 0 <= j < len(self):
+      raise IndexError(f"document {j} out of range [0, {len(self)})")
+    return self.tokens(j)
+
+
+class TokenRows:
+  """A grain random-access source (`__len__`, `__getitem__`) of a prepared split's stream cut into rows of
+  `length` tokens (module docstring). Record i: {"ids": int32 [length], "doc": int32 [length]} where doc is the
+  document of each token (EOS counts with the document it ends), numbered from 0 at the row's first token: the
+  text source's rows, which `pipeline` turns into tokens, targets, segment_ids and loss_mask.
+
+  vocab_size, eos_id, tokenizer (`LazyTokenizer`), metadata and fingerprint (a hash of the inputs' bytes and the
+  settings, for the pipeline's signature) describe the directory."""
+
+  def __init__(self, path, split: str = "train", length: int = 2049):
+    if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 2:
+      raise ValueError(f"TokenRows: `length` must be an int ≥ 2, got {length!r}")
+    self.documents = TokenDocuments(path, split)
+    self.path, self.split, self.length = self.documents.path, split, int(length)
+    self.metadata = self.documents.metadata
+    self.vocab_size = int(self.metadata["vocab_size"])
+    self.eos_id = int(self.metadata["eos_id"])
+    self.tokenizer = LazyTokenizer(self.path, self.metadata)
+    self.fingerprint = self.metadata["fingerprint"]
+    # Document j spans the stream's positions [starts[j], starts[j + 1]): its tokens, then EOS.
+    self.starts = np.concatenate([[0], np.cumsum(self.documents.lengths + 1)]).astype(np.int64)
+    self.num_rows = int(self.starts[-1] // self.length)
+    if self.num_rows == 0:
+      raise ValueError(f"TokenRows: the {split!r} split of {self.path} holds {len(self.documents)} documents, "
+                       f"{int(self.starts[-1])} tokens with their EOS: fewer than one row of {self.length} "
+                       "(seq_len + 1)")
+
+  def __len__(self) -> int:
+    return self.num_rows
+
+  def __getitem__(self, index) -> dict[str, np.ndarray]:
+    index = int(index)
+    if not 0 <= index < self.num_rows:
+      raise IndexError(f"row {index} out of range [0, {self.num_rows})")
+    begin, end = index * self.length, (index + 1) * self.length
+    first = int(np.searchsorted(self.starts, begin, side="right") - 1)
+    last = int(np.searchsorted(self.starts, end, side="left"))         # documents [first, last) meet the row
+    ids = np.empty(self.length, np.int32)
+    doc = np.empty(self.length, np.int32)
+    for j in range(first, last):
+      lo, hi = max(int(self.starts[j]), begin), min(int(self.starts[j + 1]), end)
+      size = int(self.starts[j + 1] - self.starts[j]) - 1              # tokens without the EOS
+      a, b = lo - int(self.starts[j]), hi - int(self.starts[j])        # positions within document j + EOS
+      piece = self.documents.tokens(j, a, min(b, size))
+      ids[lo - begin:lo - begin + len(piece)] = piece
+      if b > size:                                                     # the EOS falls in the row
+        ids[hi - begin - 1] = self.eos_id
+      doc[lo - begin:hi - begin] = j - first
+    return {"ids": ids, "doc": doc}
+
+
+def fingerprint(inputs_sha256: str, settings_sha256: str) -> str:
+  return hashlib.sha256(f"{inputs_sha256}\0{settings_sha256}".encode()).hexdigest()[:16]
