@@ -209,8 +209,10 @@ def test_registry_keys_and_errors():
     dgps.get("mesanet")
   with pytest.raises(ValueError, match="`decay`"):
     dgps.compose(decay="cubic")
-  with pytest.raises(ValueError, match="ATQ"):
+  with pytest.raises(ValueError, match="sets the read query, which the 'online' solve does not read"):
     dgps.compose(precond="atq", solve="online")
+  with pytest.raises(ValueError, match="sets the write key, which the 'offline' solve does not read"):
+    dgps.compose(precond="pdn", solve="offline")
   with pytest.raises(ValueError, match="unknown options"):
     dgps.get("pdn", eta=1.0)
   with pytest.raises(ValueError, match="`value_heads`"):

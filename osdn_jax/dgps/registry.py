@@ -12,15 +12,21 @@ are range-checked when the point is built (`dgps.checks`).
     dims = dgps.Dims(heads=4, value_heads=4, key_dim=64, value_dim=64)
     params = point.init_params(jax.random.key(0), dims)
     o, state = point(q, k, v, features, params, output_final_state=True)
+
+Every axis value is an `Axis` (a `Solve` for the solve axis) that declares what it needs and what it sets; the
+point decides nothing by an axis value's name. A new value is `register_axis(kind, name, Axis(...))` (or passed to
+`compose` as an object), and `docs/design.md` ("Your own axis value") walks through one.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from osdn_jax.dgps import checks
 from osdn_jax.dgps import decay as decay_fns
@@ -49,11 +55,11 @@ class Dims:
 class Feature:
   """A per-token input an axis needs, projected from the layer input.
 
-  shape: per-token shape in symbols "H", "HV", "K". bias: the projection's initial bias (None: no bias).
-  low_rank: a KDA-style low-rank projection (for per-channel gates).
+  shape: per-token shape in symbols "H", "HV", "K". bias: the projection's initial bias (None: no bias), or a
+  function of the point's options giving it. low_rank: a KDA-style low-rank projection (for per-channel gates).
   """
   shape: tuple[str, ...]
-  bias: float | None = None
+  bias: float | None | Callable[[Mapping[str, Any]], float | None] = None
   low_rank: bool = False
 
   def resolve(self, dims: Dims) -> tuple[int, ...]:
@@ -66,7 +72,13 @@ def _resolve(symbols: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, .
 
 @dataclasses.dataclass
 class Context:
-  """What an axis function sees: the projected inputs, its own features and parameters, the point's options."""
+  """What an axis value's `apply` receives: q, k [B, T, H, K] (l2-normalised when the point normalises them),
+  v [B, T, HV, V], its own features {name: [B, T, ...]} and parameters {name: array} (the shapes it declared), the
+  point's options (every axis's, plus "solve": the solve's name), the gain β [B, T, HV] (for the preconditioner;
+  None for an offline solve without a gain), its carried state (a stateful preconditioner: [B, G, K], or
+  [N, G, K] per segment when `segment_ids` [B, T] packs several sequences into a row; None: start from
+  `State.init`), the implementation its pass should run ("auto" | "reference" | "xla" | "pallas"), and what the
+  point's solve reads (`Solve.reads`)."""
   q: Any
   k: Any
   v: Any
@@ -77,20 +89,82 @@ class Context:
   state: Any = None          # the preconditioner's carried state, if any ([N, G, K] per segment when packed)
   implementation: str = "auto"   # of the preconditioner's pass: "auto" | "reference" | "xla" | "pallas"
   segment_ids: Any = None    # [B, T] packed sequences (`osdn_jax.ops.packing`)
+  reads: tuple[str, ...] = ()    # what the point's solve reads: ("k_write",) online, ("q_tilde",) offline
 
 
 @dataclasses.dataclass(frozen=True)
-class Axis:
-  """One value of one DGPS axis: the features and parameters it needs and the function that applies it.
+class State:
+  """The state a preconditioner carries from token to token: one K-vector per head of each sequence.
 
-  params: {name: shape in symbols "H", "HV", "K"} of what `init` returns. check(owner, options): raises a
-  ValueError for an option out of range (`dgps.checks`)."""
+  heads: "H" (one per key head) or "HV" (one per value head), so the state is [B, heads, K] ([N, heads, K], one
+  per segment, when packed). init(options): the value every entry of a fresh state holds. carry: how the state
+  entering each shard of a context-parallel run is formed (`osdn_jax.ops.context`): "diagonal" when the pass is
+  affine and diagonal in its entering state (final = a ⊙ entering + b per channel; the shards' maps are
+  composed), "rerun" when each shard runs again from the state the previous shard ends with (a ring), None when
+  the value cannot run context-parallel (a ValueError there). Packing and decoding need nothing more: `apply`
+  receives the entering state and `segment_ids`, and returns the state after the last token."""
+  heads: str = "H"
+  init: Callable[[Mapping[str, Any]], float] = lambda options: 0.0
+  carry: str | None = None
+
+  def __post_init__(self):
+    if self.heads not in ("H", "HV"):
+      raise ValueError(f"dgps.State: `heads` must be 'H' or 'HV', got {self.heads!r}")
+    if self.carry not in CARRIES:
+      raise ValueError(f"dgps.State: `carry` must be one of {CARRIES}, got {self.carry!r}")
+
+
+CARRIES = ("diagonal", "rerun", None)
+SETS = ("log_decay", "beta", "k_write", "q_tilde")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Axis:
+  """One value of the decay, gain or preconditioner axis: what it needs, what it sets, and how.
+
+  apply(Context) returns, for a decay, the log-decay ([B, T, HV] scalar or [B, T, HV, K] per channel, ≤ 0) or
+  None (no decay); for a gain, β [B, T, HV] or None; for a preconditioner, ({"k_write": [B, T, H or HV, K]} or
+  {"q_tilde": [B, T, H or HV, K]} or {}, its final state or None).
+  sets: the solve inputs it sets — "log_decay" (a decay), "beta" (a gain), "k_write" (the write key of the
+  online solve), "q_tilde" (the read query of the offline solve); a preconditioner that sets one only its solve
+  reads composes only with that solve (a ValueError otherwise).
+  features: {name: Feature} projected per token from the layer input. params: {name: shape in symbols "H", "HV",
+  "K"} of what init(key, dims, options) returns (fp32). defaults: its options and their default values;
+  check(owner, options): a ValueError for an option out of range; derive(options): options computed from others
+  (e.g. a bias chosen by an anchor). state: a `State` for a preconditioner that carries one, else None.
+  context_parallel: False for a value that cannot run on a shard of a row (a token-serial reference).
+  Compared and hashed by identity."""
   apply: Callable[[Context], Any]
   features: Mapping[str, Feature] = dataclasses.field(default_factory=dict)
   init: Callable[[Any, Dims, Mapping[str, Any]], dict] = lambda key, dims, opts: {}
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   params: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   check: Callable[[str, Mapping[str, Any]], None] = lambda owner, opts: None
+  sets: tuple[str, ...] = ()
+  state: State | None = None
+  derive: Callable[[dict], dict] | None = None
+  context_parallel: bool = True
+  doc: str = ""
+
+  def __post_init__(self):
+    if not callable(self.apply):
+      raise ValueError(f"dgps.Axis: `apply` must be a function of a dgps.Context, got {self.apply!r}")
+    bad = [x for x in self.sets if x not in SETS]
+    if bad or isinstance(self.sets, str):
+      raise ValueError(f"dgps.Axis: `sets` must be a tuple of {SETS}, got {self.sets!r}")
+    if self.state is not None and not isinstance(self.state, State):
+      raise ValueError(f"dgps.Axis: `state` must be a dgps.State or None, got {self.state!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Solve:
+  """One value of the solve axis. reads: the preconditioned input it consumes ("k_write": the online solve
+  writes with it; "q_tilde": the offline solve reads with it). run(q, k, v, beta, **kw) and step(q, k, v, beta,
+  state, **kw) have the signatures of `dgps.solve.solve` and `dgps.solve.step` after their `kind`."""
+  reads: tuple[str, ...]
+  run: Callable[..., Any]
+  step: Callable[..., Any]
+  doc: str = ""
 
 
 def _shape3(c: Context):
@@ -100,26 +174,35 @@ def _shape3(c: Context):
 # ---------------------------------------------------------------------------------------------------------
 # Axis tables. A new axis value is one entry here; a new point is one line in POINTS.
 # ---------------------------------------------------------------------------------------------------------
+_DECAY = ("log_decay",)
 DECAYS = {
-    "none": Axis(lambda c: None),
+    "none": Axis(lambda c: None, doc="no decay"),
     "scalar": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
                    features={"a": Feature(("HV",))},
                    init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads,)),
-                   params={"A_log": ("HV",), "dt_bias": ("HV",)}),
+                   params={"A_log": ("HV",), "dt_bias": ("HV",)}, sets=_DECAY,
+                   doc="a data-dependent decay per head (Mamba-2's gate)"),
     "channel": Axis(lambda c: decay_fns.gate(c.features["a"], c.params["A_log"], c.params["dt_bias"]),
                     features={"a": Feature(("HV", "K"), low_rank=True)},
                     init=lambda key, d, o: decay_fns.init_gate(key, (d.value_heads, d.key_dim)),
-                    params={"A_log": ("HV",), "dt_bias": ("HV", "K")}),
-    "constant": Axis(lambda c: decay_fns.retnet(*_shape3(c))),
+                    params={"A_log": ("HV",), "dt_bias": ("HV", "K")}, sets=_DECAY,
+                    doc="a data-dependent decay per key channel (KDA's, GLA's)"),
+    "constant": Axis(lambda c: decay_fns.retnet(*_shape3(c)), sets=_DECAY, doc="RetNet's fixed decay per head"),
 }
 
 _GAIN_LOGIT = {"b": Feature(("HV",))}
+_GAIN = ("beta",)
 GAINS = {
-    "sigmoid": Axis(lambda c: gain_fns.sigmoid(c.features["b"]), features=_GAIN_LOGIT),
-    "sigmoid2": Axis(lambda c: gain_fns.sigmoid2(c.features["b"]), features=_GAIN_LOGIT),
-    "one": Axis(lambda c: None if c.options["solve"] == "offline" else jnp.ones(_shape3(c), c.k.dtype)),
-    "nlms": Axis(lambda c: gain_fns.nlms(c.features["b"], c.k), features=_GAIN_LOGIT),
-    "longhorn": Axis(lambda c: gain_fns.longhorn(c.features["b"], c.k), features=_GAIN_LOGIT),
+    "sigmoid": Axis(lambda c: gain_fns.sigmoid(c.features["b"]), features=_GAIN_LOGIT, sets=_GAIN,
+                    doc="β = σ(b)"),
+    "sigmoid2": Axis(lambda c: gain_fns.sigmoid2(c.features["b"]), features=_GAIN_LOGIT, sets=_GAIN,
+                     doc="β = 2σ(b)"),
+    "one": Axis(lambda c: jnp.ones(_shape3(c), c.k.dtype) if "k_write" in c.reads else None,
+                sets=_GAIN, doc="β = 1 (none for the offline solve)"),
+    "nlms": Axis(lambda c: gain_fns.nlms(c.features["b"], c.k), features=_GAIN_LOGIT, sets=_GAIN,
+                 doc="β = σ(b)/(‖k‖² + ε)"),
+    "longhorn": Axis(lambda c: gain_fns.longhorn(c.features["b"], c.k), features=_GAIN_LOGIT, sets=_GAIN,
+                     doc="β = σ(b)/(1 + σ(b)‖k‖²)"),
 }
 
 
@@ -156,6 +239,11 @@ def _osdn(c: Context):
   return dict(k_write=k_write), d
 
 
+def has_osdn_pass(point) -> bool:
+  """Whether `point`'s preconditioner is OSDN's d-pass (with or without APF), whatever it is registered as."""
+  return point.axis("precond").apply is _osdn
+
+
 def _fixed(c: Context):
   k_write, _ = precond_fns.fixed_write_key(c.k, c.beta, jnp.exp(c.params["log_d"]), guard=c.options["guard"])
   return dict(k_write=k_write), None
@@ -164,7 +252,7 @@ def _fixed(c: Context):
 def _exact(c: Context):
   if c.segment_ids is not None:
     raise ValueError("precond 'exact' (a token-serial reference) does not take `segment_ids`")
-  if c.options["solve"] == "offline":
+  if "q_tilde" in c.reads:
     beta = jnp.ones(_shape3(c), c.k.dtype) if c.beta is None else c.beta
     q_tilde, P = precond_fns.exact_query(c.q, c.k, beta, lam=c.options["lam"])
     return dict(q_tilde=q_tilde), None
@@ -185,26 +273,44 @@ _LAM = lambda owner, o: checks.lam(owner, o["lam"])
 _OSDN_NAMES = (*_OSDN, "apf_bias")
 _CHECK_OSDN = lambda owner, o: checks.osdn(owner, **{n: o[n] for n in _OSDN_NAMES if n in o})
 
+_SECOND_MOMENT = State(heads="H", init=lambda o: 0.0, carry="diagonal")
+_OSDN_D = State(heads="HV", init=lambda o: o["d_init"], carry="rerun")
+_apf_bias = lambda o: dict(o, apf_bias=_APF_BIAS[o["apf_anchor"]] if o["apf_bias"] is None else o["apf_bias"])
+
 PRECONDS = {
-    "identity": Axis(lambda c: ({}, None)),
+    "identity": Axis(lambda c: ({}, None), doc="no preconditioner"),
     "pdn": Axis(_pdn, features={"a": Feature(("H",)), "b": Feature(("H",))}, init=_second_moment_init,
                 defaults=dict(x=1.5, eps=1e-6, center_init=-0.2), params=dict(_GATES, center=("H",)),
-                check=lambda owner, o: checks.pdn(owner, x=o["x"], eps=o["eps"], center_init=o["center_init"])),
+                check=lambda owner, o: checks.pdn(owner, x=o["x"], eps=o["eps"], center_init=o["center_init"]),
+                sets=("k_write",), state=_SECOND_MOMENT,
+                doc="PDN: the decayed second moment of the keys, log-transformed and squashed into [1/x, x]"),
     "atq": Axis(_atq, features={"a": Feature(("H",)), "b": Feature(("H",))},
                 init=lambda key, d, o: decay_fns.init_gate(key, (d.heads,)), defaults=dict(lam=1.0), params=_GATES,
-                check=_LAM),
-    "osdn": Axis(_osdn, defaults=_OSDN, check=_CHECK_OSDN),
-    "osdn-apf": Axis(_osdn, features={"r": Feature(("HV",), bias=None)}, defaults=dict(_OSDN, apf_bias=None),
-                     check=_CHECK_OSDN),
+                check=_LAM, sets=("q_tilde",), state=_SECOND_MOMENT,
+                doc="the second moment's diagonal inverse applied to the query of the offline solve"),
+    "osdn": Axis(_osdn, defaults=_OSDN, check=_CHECK_OSDN, sets=("k_write",), state=_OSDN_D,
+                 doc="OSDN: the write scale d learned online by hypergradient descent"),
+    "osdn-apf": Axis(_osdn, features={"r": Feature(("HV",), bias=lambda o: o["apf_bias"])},
+                     defaults=dict(_OSDN, apf_bias=None), check=_CHECK_OSDN, derive=_apf_bias, sets=("k_write",),
+                     state=_OSDN_D, doc="OSDN with a learned per-token retention of d (APF)"),
     "fixed": Axis(_fixed, init=lambda key, d, o: {
         "log_d": jnp.full((d.value_heads, d.key_dim), jnp.log(o["d_init"]), jnp.float32)},
                   defaults=dict(d_init=1.0, guard=2.0), params={"log_d": ("HV", "K")},
-                  check=lambda owner, o: checks.fixed(owner, d_init=o["d_init"], guard=o["guard"])),
-    "exact": Axis(_exact, defaults=dict(lam=1.0), check=_LAM),
+                  check=lambda owner, o: checks.fixed(owner, d_init=o["d_init"], guard=o["guard"]),
+                  sets=("k_write",), doc="a learned constant write scale per channel (guarded like OSDN's)"),
+    "exact": Axis(_exact, defaults=dict(lam=1.0), check=_LAM, sets=("k_write", "q_tilde"), context_parallel=False,
+                  doc="the exact (full-matrix) preconditioner, token-serial: a reference"),
 }
 
-SOLVES = solve_fns.KINDS
-_STATEFUL = ("pdn", "atq", "osdn", "osdn-apf")
+SOLVES = {
+    "online": Solve(reads=("k_write",), run=functools.partial(solve_fns.solve, "online"),
+                    step=functools.partial(solve_fns.step, "online"), doc="the delta rule"),
+    "offline": Solve(reads=("q_tilde",), run=functools.partial(solve_fns.solve, "offline"),
+                     step=functools.partial(solve_fns.step, "offline"), doc="(decayed) linear attention"),
+}
+AXES = {"decay": DECAYS, "gain": GAINS, "precond": PRECONDS, "solve": SOLVES}
+_BUILTIN_AXES = {kind: frozenset(table) for kind, table in AXES.items()}
+_APPLIED = ("decay", "gain", "precond")
 
 
 def _l2norm(x, eps=1e-6):
@@ -214,13 +320,15 @@ def _l2norm(x, eps=1e-6):
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One point of the DGPS space. `options` override the axes' defaults (e.g. x=2.0 for PDN, eta=0.5); unknown
-  names and values out of range (`dgps.checks`) are a ValueError here."""
+  """One point of the DGPS space: a value per axis, each a registered name or an `Axis` (`Solve`) object.
+  `options` override the axes' defaults (e.g. x=2.0 for PDN, eta=0.5; every axis's options in one namespace);
+  unknown names, values out of range (each axis's `check`) and compositions that cannot work (a preconditioner
+  that sets an input its solve does not read) are a ValueError here."""
   name: str
-  decay: str
-  gain: str
-  precond: str
-  solve: str
+  decay: str | Axis
+  gain: str | Axis
+  precond: str | Axis
+  solve: str | Solve
   normalize_qk: bool = True
   options: tuple[tuple[str, Any], ...] = ()
   doc: str = ""
@@ -228,36 +336,74 @@ class Point:
   def __post_init__(self):
     if not isinstance(self.name, str):
       raise ValueError(f"DGPS point: `name` must be a str, got {self.name!r}")
-    for axis, table, value in (("decay", DECAYS, self.decay), ("gain", GAINS, self.gain),
-                               ("precond", PRECONDS, self.precond), ("solve", SOLVES, self.solve)):
-      if not isinstance(value, str) or value not in table:
-        raise ValueError(f"DGPS point {self.name!r}: unknown `{axis}` {value!r}; one of {sorted(table)}")
-    if self.precond == "atq" and self.solve != "offline":
-      raise ValueError(f"DGPS point {self.name!r}: the ATQ preconditioner transforms the query of the "
-                       "offline solve; use solve='offline' (or precond='pdn' for the online solve)")
-    if self.precond in ("pdn", "osdn", "osdn-apf", "fixed") and self.solve != "online":
-      raise ValueError(f"DGPS point {self.name!r}: precond {self.precond!r} preconditions the write key of "
-                       "the online solve; use solve='online' (or precond='atq' offline)")
     owner = f"DGPS point {self.name!r}"
+    for kind in AXES:
+      value, want = getattr(self, kind), Solve if kind == "solve" else Axis
+      if isinstance(value, want):
+        continue
+      if not isinstance(value, str) or value not in AXES[kind]:
+        raise ValueError(f"{owner}: unknown `{kind}` {value!r}; one of {sorted(AXES[kind])}, or a dgps."
+                         f"{want.__name__}")
+    precond, solve = self.axis("precond"), self.axis("solve")
+    unread = [x for x in precond.sets if x not in solve.reads]
+    if precond.sets and len(unread) == len(precond.sets):
+      what = {"k_write": "the write key", "q_tilde": "the read query"}
+      raise ValueError(f"{owner}: precond {self.axis_name('precond')!r} sets "
+                       f"{' and '.join(what.get(x, x) for x in precond.sets)}, which the "
+                       f"{self.axis_name('solve')!r} solve does not read (it reads "
+                       f"{', '.join(what.get(x, x) for x in solve.reads)}); compose it with another solve")
     if not isinstance(self.normalize_qk, (bool, np.bool_)):
       raise ValueError(f"{owner}: `normalize_qk` must be a bool, got {self.normalize_qk!r}")
     try:
       given = dict(self.options)
     except (TypeError, ValueError):
       raise ValueError(f"{owner}: `options` must be (name, value) pairs, got {self.options!r}") from None
-    defaults = self._axis("precond").defaults
+    defaults = self._defaults(owner)
     unknown = set(given) - set(defaults) - {"solve"}
     if unknown:
-      raise ValueError(f"{owner}: unknown options {sorted(unknown)} for precond "
-                       f"{self.precond!r}; known: {sorted(defaults)}")
+      raise ValueError(f"{owner}: unknown options {sorted(unknown)}; known: {sorted(defaults)}")
     # `solve` is an axis; as an option (a round trip of `opts`) it may only repeat the point's own.
-    if given.get("solve", self.solve) != self.solve:
-      raise ValueError(f"{owner}: `solve` is the point's axis ({self.solve!r}), not an option; got "
+    if given.get("solve", self.axis_name("solve")) != self.axis_name("solve"):
+      raise ValueError(f"{owner}: `solve` is the point's axis ({self.axis_name('solve')!r}), not an option; got "
                        f"solve={given['solve']!r} (compose the point with dgps.compose(solve=...))")
-    self._axis("precond").check(owner, dict(defaults, **given))
+    for kind in _APPLIED:
+      self.axis(kind).check(owner, dict(defaults, **given))
+
+  def _defaults(self, owner: str) -> dict:
+    """The options of every axis with their defaults; a name declared by two axes is a ValueError."""
+    out, by = {}, {}
+    for kind in _APPLIED:
+      for name, value in self.axis(kind).defaults.items():
+        if name in out:
+          raise ValueError(f"{owner}: option {name!r} is declared by both the {by[name]} and the {kind} axis")
+        out[name], by[name] = value, kind
+    return out
+
+  def axis(self, kind: str) -> Axis | Solve:
+    """The value of axis `kind` ("decay", "gain", "precond", "solve") as an object."""
+    value = getattr(self, kind)
+    return AXES[kind][value] if isinstance(value, str) else value
+
+  def axis_name(self, kind: str) -> str:
+    """The value of axis `kind` by name: its registered name, or "custom <kind>" for an unregistered object."""
+    value = getattr(self, kind)
+    if isinstance(value, str):
+      return value
+    return next((name for name, v in AXES[kind].items() if v is value), f"custom {kind}")
 
   def _axis(self, which: str) -> Axis:
-    return {"decay": DECAYS, "gain": GAINS, "precond": PRECONDS}[which][getattr(self, which)]
+    return self.axis(which)
+
+  @property
+  def online(self) -> bool:
+    """Whether the solve writes with the write key (the delta rule) rather than reading with a query."""
+    return "k_write" in self.axis("solve").reads
+
+  @property
+  def channel_decay(self) -> bool:
+    """Whether the decay is per key channel (a feature or parameter over K)."""
+    d = self.axis("decay")
+    return any("K" in f.shape for f in d.features.values()) or any("K" in p for p in d.params.values())
 
   def check_inputs(self, q, v, features, params, *, per_token: bool = False) -> None:
     """ValueError unless `features` and `params` hold exactly the point's names ({axis: {name: array}}), each
@@ -294,7 +440,8 @@ class Point:
     p = state.get("precond")
     if not self.stateful_precond:
       if p is not None:
-        raise ValueError(f"{owner}: `state[\"precond\"]` must be None (precond {self.precond!r} carries no state), "
+        raise ValueError(f"{owner}: `state[\"precond\"]` must be None (precond {self.axis_name('precond')!r} "
+                         "carries no state), "
                          f"got shape {np.shape(p)}")
       return dict(state)
     rows, lead = b, "B"
@@ -302,7 +449,8 @@ class Point:
       S = state.get("S")
       rows, lead = (np.shape(S)[0] if S is not None and np.ndim(S) else
                     precond_fns.num_segments(segment_ids, None)), "N"
-    g, heads = (h, "H") if self.precond in ("pdn", "atq") else (hv, "HV")
+    heads = self.axis("precond").state.heads
+    g = h if heads == "H" else hv
     layout = f"[{lead}, {heads}, K]"
     if p is None:
       if step:
@@ -319,21 +467,22 @@ class Point:
 
   @property
   def opts(self) -> dict:
-    o = {**self._axis("precond").defaults, **dict(self.options), "solve": self.solve}
-    if self.precond == "osdn-apf" and o["apf_bias"] is None:
-      o["apf_bias"] = _APF_BIAS[o["apf_anchor"]]
+    """Every axis's options (defaults, then the point's), the derived ones, and "solve": the solve's name."""
+    o = {**self._defaults(f"DGPS point {self.name!r}"), **dict(self.options), "solve": self.axis_name("solve")}
+    for kind in _APPLIED:
+      if self.axis(kind).derive is not None:
+        o = self.axis(kind).derive(o)
     return o
 
   @property
   def stateful_precond(self) -> bool:
-    return self.precond in _STATEFUL
+    return self.axis("precond").state is not None
 
   def features(self) -> dict[str, dict[str, Feature]]:
-    """{axis: {name: Feature}}; the APF retention's bias init comes from the options."""
-    out = {w: dict(self._axis(w).features) for w in ("decay", "gain", "precond")}
-    if "r" in out["precond"]:
-      out["precond"]["r"] = dataclasses.replace(out["precond"]["r"], bias=self.opts["apf_bias"])
-    return out
+    """{axis: {name: Feature}}, each bias resolved (a bias given as a function of the options is evaluated)."""
+    o = self.opts
+    resolve = lambda f: dataclasses.replace(f, bias=f.bias(o)) if callable(f.bias) else f
+    return {w: {n: resolve(f) for n, f in self.axis(w).features.items()} for w in _APPLIED}
 
   def feature_shapes(self, dims: Dims) -> dict[str, dict[str, tuple[int, ...]]]:
     return {w: {n: f.resolve(dims) for n, f in fs.items()} for w, fs in self.features().items()}
@@ -346,14 +495,11 @@ class Point:
     """The state a fresh sequence starts from: {"S": zeros [B, HV, K, V], "precond": zeros [B, H, K] for the
     second-moment preconditioners, d_init [B, HV, K] for OSDN, None for the stateless ones}."""
     S = jnp.zeros((batch, dims.value_heads, dims.key_dim, dims.value_dim), dtype)
-    if self.precond in ("pdn", "atq"):
-      p = jnp.zeros((batch, dims.heads, dims.key_dim), dtype)
-    elif self.precond in ("osdn", "osdn-apf"):
-      p = jnp.broadcast_to(jnp.asarray(self.opts["d_init"], dtype),
-                           (batch, dims.value_heads, dims.key_dim)).astype(dtype)
-    else:
-      p = None
-    return {"S": S, "precond": p}
+    st = self.axis("precond").state
+    if st is None:
+      return {"S": S, "precond": None}
+    heads = dims.heads if st.heads == "H" else dims.value_heads
+    return {"S": S, "precond": jnp.full((batch, heads, dims.key_dim), st.init(self.opts), dtype)}
 
   def prepare(self, q, k, v, features, params, *, precond_state=None, implementation="auto",
               segment_ids=None) -> dict:
@@ -365,10 +511,18 @@ class Point:
     if self.normalize_qk:
       q, k = _l2norm(q), _l2norm(k)
     ctx = lambda w, **kw: Context(q, k, v, features.get(w, {}), params.get(w, {}), self.opts,
-                                  implementation=implementation, segment_ids=segment_ids, **kw)
-    log_decay = self._axis("decay").apply(ctx("decay"))
-    beta = self._axis("gain").apply(ctx("gain"))
-    written, p_state = self._axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
+                                  implementation=implementation, segment_ids=segment_ids,
+                                  reads=self.axis("solve").reads, **kw)
+    log_decay = self.axis("decay").apply(ctx("decay"))
+    beta = self.axis("gain").apply(ctx("gain"))
+    written, p_state = self.axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
+    reads = self.axis("solve").reads
+    if set(written) - set(reads):
+      raise ValueError(f"DGPS point {self.name!r}: precond {self.axis_name('precond')!r} returned "
+                       f"{sorted(written)}, but the {self.axis_name('solve')!r} solve reads only {list(reads)}")
+    # Named for the rematerialisation policies that keep the preconditioner's pass (`models.config`).
+    written = {n: checkpoint_name(x, "precond_pass") for n, x in written.items()}
+    p_state = None if p_state is None else checkpoint_name(p_state, "precond_pass")
     return dict(q=q, k=k, v=v, beta=beta, log_decay=log_decay, k_write=written.get("k_write"),
                 q_tilde=written.get("q_tilde"), precond_state=p_state)
 
@@ -394,7 +548,7 @@ class Point:
                                 segment_ids, implementation, context)
     x = self.prepare(q, k, v, features, params, precond_state=state.get("precond"),
                      implementation=implementation, segment_ids=segment_ids)
-    o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
+    o, S = self.axis("solve").run(x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=state.get("S"),
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
                            segment_ids=segment_ids, implementation=implementation)
@@ -402,9 +556,14 @@ class Point:
 
   def _context_call(self, q, k, v, features, params, state, output_final_state, scale, chunk_size, segment_ids,
                     implementation, context):
-    if self.precond == "exact":
-      raise ValueError(f"DGPS point {self.name!r}: precond 'exact' (a token-serial reference) does not run "
-                       "context-parallel")
+    for kind in _APPLIED:
+      if not self.axis(kind).context_parallel:
+        raise ValueError(f"DGPS point {self.name!r}: {kind} {self.axis_name(kind)!r} does not run "
+                         "context-parallel (its `context_parallel` is False)")
+    st = self.axis("precond").state
+    if st is not None and st.carry is None:
+      raise ValueError(f"DGPS point {self.name!r}: precond {self.axis_name('precond')!r} carries a state without "
+                       "a carry rule (`State.carry`), so it cannot run context-parallel")
     b = v.shape[0]
     whole = state.get("S"), state.get("precond")
     n = b if segment_ids is None else next((s.shape[0] for s in whole if s is not None), None)
@@ -417,11 +576,11 @@ class Point:
       p_whole = self.initial_state(n, dims, ct)["precond"] if whole[1] is None else whole[1]
       run = lambda init: self.prepare(q, k, v, features, params, precond_state=init,
                                       implementation=implementation, segment_ids=segment_ids)["precond_state"]
-      carry = context_ops.carry_diagonal if self.precond in ("pdn", "atq") else context_ops.carry
+      carry = context_ops.carry_diagonal if st.carry == "diagonal" else context_ops.carry
       p_init = carry(run, p_whole, sh)
     x = self.prepare(q, k, v, features, params, precond_state=p_init, implementation=implementation,
                      segment_ids=segment_ids)
-    o, S = solve_fns.solve(self.solve, x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
+    o, S = self.axis("solve").run(x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=whole[0],
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
                            segment_ids=segment_ids, implementation=implementation, context=context)
@@ -439,7 +598,7 @@ class Point:
     x = self.prepare(add_t(q), add_t(k), add_t(v), jax.tree.map(add_t, features or {}), params,
                      precond_state=state.get("precond"))
     drop_t = lambda a: None if a is None else a[:, 0]
-    o, S = solve_fns.step(self.solve, drop_t(x["q"]), drop_t(x["k"]), drop_t(x["v"]), drop_t(x["beta"]),
+    o, S = self.axis("solve").step(drop_t(x["q"]), drop_t(x["k"]), drop_t(x["v"]), drop_t(x["beta"]),
                           state["S"], k_write=drop_t(x["k_write"]), q_tilde=drop_t(x["q_tilde"]),
                           log_decay=drop_t(x["log_decay"]), scale=scale)
     return o, {"S": S, "precond": x["precond_state"]}
@@ -542,7 +701,32 @@ def register(point: Point, *, replace: bool = False) -> Point:
 
 def compose(*, decay="none", gain="sigmoid", precond="identity", solve="online", normalize_qk=True, name=None,
             **options) -> Point:
-  """An unnamed point from axis names, e.g. compose(decay="channel", precond="osdn-apf", apf_anchor="init")."""
-  name = name or f"{decay}/{gain}/{precond}/{solve}"
+  """A point from a value per axis, each a registered name or an `Axis` (`Solve`) object, e.g.
+  compose(decay="channel", precond="osdn-apf", apf_anchor="init") or compose(precond=my_axis, my_option=2.0);
+  `options` are any axis's. Register it (`register`) to name it in configs and on the command line."""
+  named = lambda kind, v: v if isinstance(v, str) else next(
+      (n for n, x in AXES.get(kind, {}).items() if x is v), f"custom-{kind}")
+  name = name or "/".join(named(k, v) for k, v in (("decay", decay), ("gain", gain), ("precond", precond),
+                                                   ("solve", solve)))
   return Point(name, decay, gain, precond, solve, normalize_qk, tuple(sorted(options.items())),
-               doc="composed from axis names")
+               doc="composed from axis values")
+
+
+def register_axis(kind: str, name: str, value: Axis | Solve, *, replace: bool = False) -> Axis | Solve:
+  """Adds `value` to axis `kind` ("decay", "gain", "precond" or "solve") under `name`, so points name it like a
+  built-in one (compose(precond=name), configs). ValueError for another kind, a value that is not a dgps.Axis
+  (dgps.Solve for the solve axis), a name that is taken (unless replace=True, which cannot replace a built-in
+  value) or not letters, digits, '-', '_', '.'."""
+  if kind not in AXES:
+    raise ValueError(f"dgps.register_axis: `kind` must be one of {', '.join(AXES)}, got {kind!r}")
+  want = Solve if kind == "solve" else Axis
+  if not isinstance(value, want):
+    raise ValueError(f"dgps.register_axis: `value` must be a dgps.{want.__name__} for the {kind} axis, got "
+                     f"{type(value).__name__}")
+  if not isinstance(name, str) or not name or not all(ch.isalnum() or ch in "-_." for ch in name):
+    raise ValueError(f"dgps.register_axis: `name` must be letters, digits, '-', '_' or '.', got {name!r}")
+  if name in AXES[kind] and (not replace or name in _BUILTIN_AXES[kind]):
+    raise ValueError(f"dgps.register_axis: the {kind} axis already has a value named {name!r}"
+                     + ("" if name in _BUILTIN_AXES[kind] else " (pass replace=True to replace it)"))
+  AXES[kind][name] = value
+  return value

@@ -23,8 +23,9 @@ def d_pass_inputs(point, k, beta, features=None) -> tuple[dict, dict]:
   write key builds it, on its prepared keys k [B, T, H, K] (normalised, as `Point.prepare` returns them), gains
   beta [B, T, G] and precond features ({"r": [B, T, HV]} for APF): ({u, n, beta, retention, d1, d_init},
   {eta, d_min, d_max, anchor}), the arguments of `clip_trajectory` and `clip_activity` (retention None: r ≡ 1)."""
-  if point.precond not in ("osdn", "osdn-apf"):
-    raise ValueError(f"d_pass_inputs: point {point.name!r} has no OSDN d-pass (precond {point.precond!r})")
+  if not registry.has_osdn_pass(point):
+    raise ValueError(f"d_pass_inputs: point {point.name!r} has no OSDN d-pass (precond "
+                     f"{point.axis_name('precond')!r})")
   o = point.opts
   retention = registry.osdn_retention(features or {})
   _, beta, u, n, r, d_init, d1 = precond._osdn_inputs(k, beta, retention, o["d_init"], None)

@@ -75,7 +75,7 @@ def check_options(owner: str, *, output_gate, norm_eps, implementation, **positi
 
 def is_kda_family(point: dgps.Point) -> bool:
   """The online points with a per-channel decay (kda, pkda, osdn-kda, osdn-apf-kda): gated output."""
-  return point.decay == "channel" and point.solve == "online"
+  return point.channel_decay and point.online
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +298,7 @@ class DGPSMixer(nnx.Module):
     rows = jnp.sum(w, axis=1) > 0
     recall = jnp.sum(jnp.where(rows[:, None], per_row, 0.0)) / jnp.maximum(jnp.sum(rows) * per_row.shape[1], 1)
     out = {"state_norm": state_norm, "recall_residual": recall.astype(jnp.float32)}
-    if prep["beta"] is None or cfg.point.solve != "online":
+    if prep["beta"] is None or not cfg.point.online:
       return {"q_geo": jnp.float32(jnp.nan), **out}
     rho = diagnostics.rho_closed_form(f32(prep["k"]), f32(prep["beta"]), f32(prep["k_write"]))
     return {"q_geo": diagnostics.q_geo(rho).astype(jnp.float32), **out}

@@ -41,8 +41,8 @@ class Summary:
   def table(self) -> str:
     c, d = self.cfg, self.cfg.mixer.dims
     total = self.params["total"]
-    rows = [f"{c.name or c.variant}: point {c.point.name} (D {c.point.decay}, G {c.point.gain}, "
-            f"P {c.point.precond}, S {c.point.solve}), compute {jnp.dtype(c.dtype).name}",
+    rows = [f"{c.name or c.variant}: point {c.point.name} (D {c.point.axis_name('decay')}, "
+            f"G {c.point.axis_name('gain')}, P {c.point.axis_name('precond')}, S {c.point.axis_name('solve')}), compute {jnp.dtype(c.dtype).name}",
             f"  D={c.d_model}, L={c.num_layers}, {d.heads} key heads × {d.key_dim}, "
             f"{d.value_heads} value heads × {d.value_dim}, MLP {c.hidden}, vocab {c.vocab_size}", "",
             f"{'parameters':<34}{'count':>16}{'share':>9}"]
@@ -102,7 +102,7 @@ def _recurrence_flops(cfg: ModelConfig, context_length: int) -> float:
   d = cfg.mixer.dims
   c = min(cfg.chunk_size, context_length)
   k, v = d.key_dim, d.value_dim
-  if cfg.point.solve == "online":
+  if cfg.point.online:
     per_head = 6 * k * v + 2 * c * (3 * k + 2 * v) + c * c / 3
   else:
     per_head = 4 * k * v + 2 * c * (k + v)
