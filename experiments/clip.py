@@ -26,12 +26,12 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import common, lm, mqar
-from osdn_jax import dgps, diagnostics
+from osdn_jax import dgps, diagnostics, plugins
 
 FLAGS = flags.FLAGS
 
 # Every OSDN point of the registry (vanilla and APF, on each backbone).
-VARIANTS = tuple(name for name, p in dgps.POINTS.items() if p.precond in ("osdn", "osdn-apf"))
+VARIANTS = tuple(name for name, p in dgps.POINTS.items() if dgps.has_osdn_pass(p))
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 
 
@@ -89,7 +89,7 @@ def measure(model, tokens, chunk_sizes) -> list[dict]:
 
 def check_variant(spec: str) -> None:
   name, options = common.parse_variant(spec)
-  if dgps.get(name, **options).precond not in ("osdn", "osdn-apf"):
+  if not dgps.has_osdn_pass(dgps.get(name, **options)):
     raise ValueError(f"clip: variant {spec!r} has no OSDN d-pass; the clip exists only for OSDN points")
 
 
@@ -231,6 +231,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", list(VARIANTS), "OSDN registry points (name[:option=value,...])")
   flags.DEFINE_integer("length", 256, "MQAR row length")
   flags.DEFINE_integer("kv", 32, "MQAR pairs")

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from osdn_jax import data as data_lib
-from osdn_jax import dgps, train
+from osdn_jax import dgps, plugins, train
 from osdn_jax.data import IGNORE
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
 from osdn_jax.train.step import scored_positions
@@ -161,9 +161,12 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 def command(name: str, spec, *, skip=()) -> str:
   """The command that reruns an experiment with settings `spec` (its dataclass, whose fields are its flags):
-  every field that differs from the dataclass's default, as --field=value (sequences comma-separated)."""
+  every field that differs from the dataclass's default, as --field=value (sequences comma-separated), after
+  --imports= the modules this process imported for their points (`osdn_jax.plugins`), if any."""
   default = type(spec)()
   parts = ["python -m experiments." + name]
+  if plugins.imported():   # the variants may name their points
+    parts.append("--imports=" + ",".join(plugins.imported()))
   for field in dataclasses.fields(spec):
     value = getattr(spec, field.name)
     if field.name in skip or value == getattr(default, field.name):

@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common, lm, mqar
+from osdn_jax import plugins
 
 FLAGS = flags.FLAGS
 
@@ -115,6 +116,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", list(common.VARIANTS), "registry points (name[:option=value,...])")
   flags.DEFINE_integer("length", 256, "MQAR row length")
   flags.DEFINE_integer("kv", 32, "MQAR pairs")

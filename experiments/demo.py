@@ -14,12 +14,14 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import mqar
+from osdn_jax import plugins
 
 VARIANTS = ("dn", "pdn", "osdn", "osdn-apf", "dn-fixed-d", "gdn", "pgdn")
 _STEPS = flags.DEFINE_integer("steps", 300, "optimiser steps per variant")
 _VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), "registry points (name[:option=value,...])")
 _OUT = flags.DEFINE_string("out", "results", "output directory")
 _SMOKE = flags.DEFINE_bool("smoke", False, "the CI size: one variant, a few steps")
+plugins.define_imports_flag()
 
 
 def sweep(variants=VARIANTS, steps: int = 300) -> mqar.Sweep:

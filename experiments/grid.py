@@ -41,6 +41,7 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import common, mqar
+from osdn_jax import plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.data.recall import IGNORE
 from osdn_jax.train import loop, optim
@@ -494,6 +495,7 @@ SMOKE = dict(protocol=Protocol(steps=8, batch_size=4, vocab_size=64, size="tiny"
              variants=("dn",), pairs=((32, 4),), lrs=(3e-3, 1e-2), seeds=(0,))
 
 def define_flags():
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", ["dn", "pdn", "gdn", "pgdn"], "registry points (name[:option=value,...])")
   flags.DEFINE_list("cut", ["c"], "the PDN paper's cuts to train: a, b, c")
   flags.DEFINE_list("pairs", [], "explicit L:kv cells instead of the cuts, e.g. 256:64,1024:128")

@@ -22,6 +22,7 @@ from absl import app, flags
 from experiments import common
 from experiments.plot_run import read_metrics
 from osdn_jax import data as data_lib
+from osdn_jax import plugins
 from osdn_jax.train import get_config
 from osdn_jax.train.step import graphdef, loss_sum, segments_bound
 
@@ -149,6 +150,7 @@ def main(argv):
 
 if __name__ == "__main__":
   d = LM()
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
   flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
   flags.DEFINE_string("tokenizer", d.tokenizer, "byte | bpe")

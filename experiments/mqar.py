@@ -25,6 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
+from osdn_jax import plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.train import get_config
 
@@ -226,6 +227,7 @@ SMOKE = dict(variants=("dn",), lengths=(32,), kv=(4,), lrs=(3e-3,), steps=4, bat
 
 
 def define_flags(defaults: Sweep):
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", list(defaults.variants), "registry points (name[:option=value,...])")
   flags.DEFINE_list("lengths", [str(x) for x in defaults.lengths], "sequence lengths L")
   flags.DEFINE_list("kv", [str(x) for x in defaults.kv], "key-value pairs per row")

@@ -20,7 +20,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
-from osdn_jax import models
+from osdn_jax import models, plugins
 from osdn_jax.data.recall import IGNORE, MQARSource
 
 
@@ -85,6 +85,7 @@ def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3
 
 
 def define_flags():
+  plugins.define_imports_flag()
   flags.DEFINE_string("variant", "dn", "registry point")
   flags.DEFINE_integer("length", 256, "row length L")
   flags.DEFINE_integer("kv", 64, "key-value pairs")

@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
-from osdn_jax import models
+from osdn_jax import models, plugins
 from osdn_jax.data import PasskeySource
 from osdn_jax.train import get_config
 
@@ -159,6 +159,7 @@ def main(argv):
 
 if __name__ == "__main__":
   d = Passkey()
+  plugins.define_imports_flag()
   flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
   flags.DEFINE_integer("train_length", d.train_length, "bytes per training row")
   flags.DEFINE_list("lengths", [str(x) for x in d.lengths], "haystack lengths scored (bytes)")

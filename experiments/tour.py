@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from osdn_jax import diagnostics, dgps
+from osdn_jax import diagnostics, dgps, plugins
 from osdn_jax.testing import random_point_inputs, rel_rms
 
 _B = flags.DEFINE_integer("batch", 2, "B")
@@ -28,6 +28,7 @@ _D = flags.DEFINE_integer("dim", 32, "K = V")
 _CHUNK = flags.DEFINE_integer("chunk", 64, "chunk size")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per implementation (median)")
 _POINTS = flags.DEFINE_list("points", [], "registry keys to tour (default: all)")
+plugins.define_imports_flag()
 _EIG_TOKENS = 64   # per-step spectra are dense eigen-decompositions: only the first tokens
 
 
@@ -57,7 +58,7 @@ def _median_ms(point, inputs, impl, chunk, repeats):
 def _diagnostics(point, inputs):
   f64 = [jax.tree.map(lambda a: a.astype(jnp.float64), t) for t in inputs]
   x = point.prepare(*f64, implementation="reference")
-  online = point.solve == "online"
+  online = point.online
   kw = dict(log_decay=x["log_decay"], online=online)
   if online:
     kw["k_write"] = x["k_write"]
@@ -91,7 +92,7 @@ def main(argv):
     (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "reference", jnp.float64, c)
     err_g = max(rel_rms(a, r) for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
     qg, qm, lo, hi, smax, recall = _diagnostics(point, inputs)
-    axes = f"{point.decay}/{point.gain}/{point.precond}/{point.solve}"
+    axes = "/".join(point.axis_name(kind) for kind in ("decay", "gain", "precond", "solve"))
     print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
           f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
           f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "

@@ -2,7 +2,10 @@
 
 NAME is a named config (`osdn_jax/train/configs.py`: tiny, 340m, 1.3b, mqar) or a path to a Python file with
 get_config() (ml_collections' config files: `--config=my_config.py:arg`). Every field can be overridden, e.g.
-`--config.steps=200 --config.model=pgdn-340m --config.optimizer.lr=1e-3 --config.mesh.fsdp=2`.
+`--config.steps=200 --config.model=pgdn-340m --config.optimizer.lr=1e-3 --config.mesh.fsdp=2`; `point_options`
+also takes new keys (`--config.point_options.x=2.0`), which the point checks. `--imports=my_points[,...]` imports
+modules first (`osdn_jax.plugins`; the current directory is on the path), so a point one registers trains by name
+(`--config.model=my-pgdn-tiny`).
 Running again on the same DIR resumes from its newest complete checkpoint that passes its checksums; the resume
 may change only `steps` and the logging, checkpointing and progress fields (`loop.RESUMABLE`). A second trainer
 on a DIR that one is running in stops at once (`WorkdirLockedError`).
@@ -20,14 +23,14 @@ import traceback
 
 import jax
 from absl import app, flags
-from ml_collections import config_flags
 
+from osdn_jax import plugins
 from osdn_jax.train import configs
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
 from osdn_jax.train.loop import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "a named config (tiny, 340m, 1.3b) or a config file",
-                                          lock_config=True)
+_CONFIG = configs.define_config_flag()
+_IMPORTS = plugins.define_imports_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "where the run's config, metrics and checkpoints go")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "join a multi-process run first: jax.distributed.initialize() "
                                   "from the cluster's environment (or from the three flags below)")

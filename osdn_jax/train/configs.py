@@ -9,7 +9,8 @@ zoology MQAR setting: a 2-layer, d_model 128 model on vocabulary 8192, AdamW wit
 
 Fields (every one overridable from the command line):
   model         a `models.config` name "<point>-<size>"; the vocabulary is the data's, not the size's
-  point_options the point's preconditioner options (e.g. {"apf_anchor": "init"}; `dgps.get`)
+  point_options the point's preconditioner options (e.g. {"apf_anchor": "init"}; `dgps.get`); on the command line
+                the one field that takes new keys (`--config.point_options.x=2.0`; `define_config_flag`)
   dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
   implementation, chunk_size   the solve's (`ops` vocabulary: auto | reference | xla | pallas)
   remat         what a block keeps for the backward (`models.config.REMAT_POLICIES`)
@@ -36,6 +37,8 @@ import math
 import pathlib
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from osdn_jax import dgps
 from osdn_jax.models.config import REMAT_POLICIES, config as model_config
@@ -206,6 +209,44 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
     raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
                      f"got {c.implementation!r}")
+
+
+class _LockAllButPointOptions(flags.ArgumentParser):
+  """The --config flag's parser: ml_collections' config-file parser (`inner`), then the loaded config locked as
+  `lock_config=True` would lock it, but for `point_options`. So a `--config.FIELD=VALUE` override may set a field
+  the config has (`--config.stpes=3` is a KeyError naming `stpes`, with a "did you mean"), and add any key to
+  `point_options`, the point's options (`--config.point_options.x=2.0`: the value is read as a Python literal,
+  else kept as a string), which `validate` checks against the point (an unknown option is a ValueError naming
+  it)."""
+
+  def __init__(self, inner: flags.ArgumentParser):
+    self.inner = inner
+
+  def parse(self, argument):
+    config = self.inner.parse(argument)
+    if isinstance(config, ml_collections.ConfigDict):   # not ml_collections' stand-in for an unreadable file
+      config.lock()
+      if isinstance(config.get("point_options"), ml_collections.ConfigDict):
+        config.point_options.unlock()
+    return config
+
+  def flag_type(self):
+    return self.inner.flag_type()
+
+
+def define_config_flag(help_string: str = "a named config (tiny, 340m, 1.3b, mqar) or a config file",
+                       flag_values=None):
+  """Defines the --config flag of the trainer's command lines on `flag_values` (absl's FLAGS by default) and
+  returns its FlagHolder: ml_collections' config-file flag, every field overridable, new keys accepted under
+  `point_options` only (`_LockAllButPointOptions`)."""
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  # ml_collections takes new keys (accept_new_attributes) only into an unlocked config: its parser loads the
+  # config unlocked, and ours locks all of it but point_options before the overrides are applied.
+  holder = config_flags.DEFINE_config_file("config", None, help_string, flag_values=flag_values, lock_config=False,
+                                           accept_new_attributes=True)
+  flag = flag_values[holder.name]
+  flag.parser = _LockAllButPointOptions(flag.parser)
+  return holder
 
 
 def flag_args(argv: list[str]) -> list[str]:
