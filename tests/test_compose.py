@@ -3,6 +3,7 @@ user's preconditioner and decay run, carry their state across calls, decode and 
 built-in ones do, and compositions that cannot work are named errors."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -112,6 +113,16 @@ def test_compositions_that_cannot_work_are_named_errors():
     dgps.register_axis("norm", "mine", EMA)
   with pytest.raises(ValueError, match="`carry` must be one of"):
     dgps.State(carry="ring")
+
+
+def test_check_point_passes_a_sound_value_and_fails_one_that_drops_its_state():
+  dims = dgps.Dims(heads=2, value_heads=2, key_dim=8, value_dim=8)
+  good = dgps.check_point(dgps.compose(decay="scalar", precond=EMA), dims, length=13)
+  assert good["ok"] and set(good) == {"chunked", "chaining", "decoding", "gradients", "ok"}, good
+  forgetful = dgps.Axis(lambda c: ema_scale(dataclasses.replace(c, state=None)), sets=("k_write",),
+                        defaults={"rho": 0.9}, state=dgps.State(heads="H", carry="rerun"))
+  bad = dgps.check_point(dgps.compose(precond=forgetful), dims, length=13)
+  assert not bad["ok"] and bad["chaining"] > 1e-3 and bad["chunked"] < 1e-4, bad
 
 
 def test_a_custom_pass_is_named_for_the_remat_policies():

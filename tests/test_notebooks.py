@@ -7,7 +7,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = ("01_compose_a_point.ipynb", "02_train_on_mqar.ipynb", "03_checkpoint_and_decode.ipynb")
+EXPECTED = ("01_compose_a_point.ipynb", "02_train_on_mqar.ipynb", "03_checkpoint_and_decode.ipynb",
+            "04_your_own_preconditioner.ipynb")
 # Optimiser steps of every training run in a notebook under test (their defaults are a few dozen).
 STEPS = "8"
 
