@@ -60,8 +60,8 @@ BAD_OPTIONS = [
     ("dn-fixed-d", dict(d_init=0.0), "`d_init` must be a finite number > 0, got 0.0"),
     ("dn-fixed-d", dict(guard=0), "`guard` must be None or a finite number > 0, got 0"),
     # Names: unknown options, and the solve axis given as an option.
-    ("pdn", dict(eta=1.0), r"unknown options \['eta'\] for precond 'pdn'"),
-    ("gdn", dict(x=2.0), r"unknown options \['x'\] for precond 'identity'"),
+    ("pdn", dict(eta=1.0), r"unknown options \['eta'\] for its axes \(.*precond 'pdn'"),
+    ("gdn", dict(x=2.0), r"unknown options \['x'\] for its axes \(.*precond 'identity'"),
     ("dn", dict(solve="offline"), r"`solve` is the point's axis \('online'\), not an option"),
 ]
 

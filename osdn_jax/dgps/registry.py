@@ -361,7 +361,9 @@ class Point:
     defaults = self._defaults(owner)
     unknown = set(given) - set(defaults) - {"solve"}
     if unknown:
-      raise ValueError(f"{owner}: unknown options {sorted(unknown)}; known: {sorted(defaults)}")
+      axes = ", ".join(f"{kind} {self.axis_name(kind)!r}" for kind in AXES)
+      raise ValueError(f"{owner}: unknown options {sorted(unknown)} for its axes ({axes}); known: "
+                       f"{sorted(defaults)}")
     # `solve` is an axis; as an option (a round trip of `opts`) it may only repeat the point's own.
     if given.get("solve", self.axis_name("solve")) != self.axis_name("solve"):
       raise ValueError(f"{owner}: `solve` is the point's axis ({self.axis_name('solve')!r}), not an option; got "
