@@ -25,7 +25,7 @@ import json
 import math
 import re
 
-from osdn_jax.train import collectives
+from osdn_jax.train import hlo
 
 KIB, MIB = 2**10, 2**20
 HIGHEST_PASSES = 6          # an fp32 dot at Precision.HIGHEST: six bf16 passes on the MXU (HIGH: three)
@@ -399,13 +399,13 @@ def _vector_work(op: str, type_text: str, rest: str, types: dict) -> tuple[float
   if op in _ELEMENTWISE:
     return 0.0, _elements(type_text)
   if op in ("reduce", "reduce-window"):
-    args = collectives._operands(rest)
+    args = hlo.operands(rest)
     return 0.0, _elements(types.get(args[0], "")) if args else 0.0
   return 0.0, 0.0
 
 
 def _shape(type_text: str) -> tuple[str, tuple[int, ...]] | None:
-  m = collectives._ARRAY.search(type_text)
+  m = hlo.ARRAY.search(type_text)
   if not m:
     return None
   return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
@@ -417,7 +417,7 @@ _TYPED = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\](\{[^}]*\
 def _physical(dtype: str, dims: tuple, layout: str | None) -> int:
   """Bytes of one array as TPU lays it out: the first tile T(a, b) of its layout pads its two most minor dims (a
   sub-tile (p, 1) packs p rows per word, e.g. bf16 T(8,128)(2,1): 16 × 128); 0 for an array in VMEM (S(1))."""
-  bits = collectives._BITS.get(dtype, 8 if dtype.startswith("f8") else 32)
+  bits = hlo.dtype_bits(dtype)
   if layout and "S(1)" in layout:
     return 0
   shape = list(dims)
@@ -448,7 +448,7 @@ def _conv_dot(name: str, types: dict, type_text: str, rest: str) -> Dot | None:
   """A convolution that is a (batched) matmul: spatial dims of size-1 taps (base-dilated windows) are batch
   dims, b rows, f the contraction (lhs) and the result's columns."""
   labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
-  operands = collectives._operands(rest)
+  operands = hlo.operands(rest)
   out = _shape(type_text)
   if not labels or len(operands) < 2 or operands[0] not in types or out is None:
     return None
@@ -468,7 +468,7 @@ def _conv_dot(name: str, types: dict, type_text: str, rest: str) -> Dot | None:
 
 
 def _dot(name: str, types: dict, type_text: str, rest: str) -> Dot | None:
-  operands = collectives._operands(rest)
+  operands = hlo.operands(rest)
   if len(operands) < 2 or operands[0] not in types or operands[1] not in types:
     return None
   lhs, rhs = _shape(types[operands[0]])[1], _shape(types[operands[1]])[1]
@@ -509,7 +509,7 @@ def _table(comps: dict, body: str) -> tuple[dict, dict, dict]:
     table[name] = (t, op, rest)
     if op == "parameter":
       params[int(re.match(r"(\d+)", rest).group(1))] = name
-    for src in collectives._operands(rest):
+    for src in hlo.operands(rest):
       users.setdefault(src, []).append(name)
   return table, params, users
 
@@ -521,7 +521,7 @@ def _read(comps: dict, body: str, value: str, depth: int = 0) -> float | None:
   total = 0.0
   for user in users.get(value, []):
     t, op, rest = table[user]
-    args = collectives._operands(rest)
+    args = hlo.operands(rest)
     if op in _SLICING and args[:1] == [value]:
       total += _nbytes(t)
     elif op == "dynamic-update-slice" and args[:1] == [value]:
@@ -548,11 +548,11 @@ def _fusion_bytes(comps: dict, roots: dict, body: str, types: dict, operands: li
   and a result that updates an operand in place (the update's bytes, the operand not read)."""
   table, params, _ = _table(comps, body)
   root = roots.get(body)
-  results = collectives._operands(table[root][2]) if root in table and table[root][1] == "tuple" else [root]
+  results = hlo.operands(table[root][2]) if root in table and table[root][1] == "tuple" else [root]
   total = _nbytes(type_text)
   for r in results:
     if r in table and table[r][1] == "dynamic-update-slice":
-      args = collectives._operands(table[r][2])
+      args = hlo.operands(table[r][2])
       if len(args) > 1 and args[1] in table:
         total += _nbytes(table[args[1]][0]) - _nbytes(table[r][0])
   for i, operand in enumerate(operands):
@@ -585,8 +585,8 @@ def hlo_ops(text: str, *, loops: bool = True, vmem: bool = False) -> list[HloOp]
   """The top-level ops of a compiled HLO module. loops: weight an op by its runs (while bodies × trip count);
   False: once per reachable op, as XLA's cost analysis counts a loop body. vmem: count the arrays that the
   compiler keeps in VMEM (S(1) layouts) as memory traffic too, as XLA's cost analysis does (else only HBM)."""
-  comps, roots, entry = collectives._parse(text if not vmem else text.replace("S(1)", ""))
-  runs, _ = collectives._runs(comps, entry)
+  comps, roots, entry = hlo.parse(text if not vmem else text.replace("S(1)", ""))
+  runs, _ = hlo.runs(comps, entry)
   ops = []
   for comp in _top_level(comps, entry):
     if not runs.get(comp):
@@ -595,7 +595,7 @@ def hlo_ops(text: str, *, loops: bool = True, vmem: bool = False) -> list[HloOp]
     for name, type_text, op, rest in comps[comp]:
       if op in _FREE:
         continue
-      operands = collectives._operands(rest)
+      operands = hlo.operands(rest)
       dots, custom = [], None
       exps, vpu = _vector_work(op, type_text, rest, types)
       if op == "fusion":

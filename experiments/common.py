@@ -190,7 +190,7 @@ def write_results(out_dir, name: str, payload: dict, table: str, figure=None, *,
     command = " ".join(["python -m experiments." + name] + [a for a in sys.argv[1:] if not a.startswith("--out")])
   payload = dict(payload, command=command, **where)
   paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-  paths["json"].write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
+  paths["json"].write_text(json.dumps(payload, indent=1, default=jsonable) + "\n")
   paths["md"].write_text(table)
   if figure is not None:
     paths["png"] = out / f"{name}.png"
@@ -218,7 +218,8 @@ def union(lists) -> tuple:
   return tuple(dict.fromkeys(x for items in lists for x in items))
 
 
-def _jsonable(x):
+def jsonable(x):
+  """`json.dumps`'s `default` for results holding numpy scalars and arrays (as Python numbers and lists)."""
   if isinstance(x, (np.floating, np.integer)):
     return x.item()
   if isinstance(x, np.ndarray):

@@ -3,6 +3,7 @@ light: the core ops import only jax and numpy (and the kernels' standard-library
 backend; nothing in the kernel package imports the library."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,21 @@ def test_ops_import_only_jax_and_numpy():
           "sorted(m for m in sys.modules if m.startswith('pallas_kernels')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
   assert out.strip() == "[] [] ['pallas_kernels', 'pallas_kernels.spec']", out
+
+
+def test_the_package_front_loads_subpackages_on_first_access():
+  """`import osdn_jax` alone imports none of its subpackages (so no Flax or Optax); `osdn_jax.ops` and the others
+  (`__all__`, each a real module) load on first access (PEP 562); an unknown name is an AttributeError."""
+  code = ("import sys, importlib.util, osdn_jax; "
+          f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})); "
+          "subs = sorted(m for m in sys.modules if m.startswith('osdn_jax.')); "
+          "fn = osdn_jax.ops.delta_rule; "
+          "print(heavy, subs, fn is sys.modules['osdn_jax.ops'].delta_rule, "
+          "all(importlib.util.find_spec('osdn_jax.' + n) for n in osdn_jax.__all__), "
+          "set(osdn_jax.__all__) <= set(dir(osdn_jax)), hasattr(osdn_jax, 'no_such_module'), osdn_jax.__version__)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+  version = re.search(r'version="([^"]+)"', open(os.path.join(ROOT, "setup.py")).read()).group(1)
+  assert out.strip() == f"[] [] True True True False {version}", out
 
 
 def test_the_test_helpers_import_only_jax_and_numpy():
@@ -64,3 +80,12 @@ def test_the_layers_below_training_do_not_import_it():
   bad += [(os.path.relpath(p, ROOT), m) for p, m in _imports(os.path.join("osdn_jax", "data"))
           if m.startswith(("osdn_jax.train", "osdn_jax.models", "osdn_jax.layers"))]
   assert not bad, bad
+
+
+def test_the_second_moment_reference_does_not_import_its_fast_forms():
+  """dgps.precond imports dgps.naive (its reference) and both import dgps.moment; naive never imports precond."""
+  tree = ast.parse(open(os.path.join(ROOT, "osdn_jax", "dgps", "naive.py")).read())
+  names = {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+           for a in n.names}
+  names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+  assert not any(m == "osdn_jax.dgps.precond" or m.startswith("osdn_jax.dgps.precond.") for m in names), names

@@ -9,21 +9,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from osdn_jax.dgps import checks, precond
-from osdn_jax.ops import packing
+from osdn_jax.dgps import checks
+from osdn_jax.dgps.moment import num_segments, pdn_scale
+from osdn_jax.ops import common, packing
 
 
 def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t k_t², one token at a time (restarting from initial_state[n] at the start
   of segment n when packed). Shapes as `precond.second_moment`."""
-  ct = precond._ct(k, beta_p, log_decay_p)
+  ct = common.compute_dtype(jnp.result_type(k, beta_p, log_decay_p))
   k, beta_p, log_decay_p = (jnp.asarray(x, ct) for x in (k, beta_p, log_decay_p))
   b, t, h, kd = k.shape
   if segment_ids is None:
     starts, seg, count = jnp.zeros((b, t), bool), jnp.zeros((b, t), jnp.int32), b
   else:
     starts, seg = packing.segment_starts(segment_ids), packing.segment_index(segment_ids)
-    count = precond.num_segments(segment_ids, initial_state)
+    count = num_segments(segment_ids, initial_state)
   init = jnp.zeros((count or b, h, kd), ct) if initial_state is None else jnp.asarray(initial_state, ct)
   A0 = init if segment_ids is None else jnp.zeros((b, h, kd), ct)
 
@@ -45,7 +46,7 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
 
 def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None):
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
-  return (precond.pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
+  return (pdn_scale(A, center, x=x, eps=eps) * jnp.asarray(k, A.dtype)).astype(k.dtype), A_T
 
 
 def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None):

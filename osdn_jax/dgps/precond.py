@@ -33,12 +33,12 @@ import dataclasses
 import math
 import numbers
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from osdn_jax.dgps import checks
+from osdn_jax.dgps import checks, naive
+from osdn_jax.dgps.moment import num_segments, pdn_scale  # noqa: F401  (this module's names too)
 from osdn_jax.ops import chunked, common, dispatch, packing
 from osdn_jax.ops.scan import affine_scan
 
@@ -57,18 +57,9 @@ def _on_heads(k, heads: int):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# PDN and ATQ: the decayed diagonal second moment.
+# PDN and ATQ: the decayed diagonal second moment (`num_segments` and `pdn_scale` are `dgps.moment`'s, shared
+# with the token-serial reference `dgps.naive`).
 # ---------------------------------------------------------------------------------------------------------
-def num_segments(segment_ids, initial_state):
-  """N for per-segment final states: initial_state's leading dim, else counted from concrete ids, else None."""
-  if initial_state is not None:
-    return initial_state.shape[0]
-  try:
-    return packing.num_segments(segment_ids)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
-
-
 # A log-decay that empties the second moment: the kernels clamp per-token log-decays at −30, so the carried
 # part is scaled by e^−30 ≈ 1e−13 (the packed XLA form zeroes it).
 _RESET_LOG_DECAY = -30.0
@@ -112,7 +103,6 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
     A, A_T = kernel(k, g, beta=beta_p, initial_state=initial_state)
     return A, (A_T if segment_ids is None else None)
   if kind == "reference":
-    from osdn_jax.dgps import naive   # naive imports this module
     return naive.second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
   ct = _ct(k, beta_p, log_decay_p)
   k = jnp.asarray(k, ct)
@@ -123,13 +113,6 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
     return affine_scan(a, b, initial=init, axis=1)
   return affine_scan(a, b, initial=init, reset=packing.segment_starts(segment_ids),
                      num_segments=num_segments(segment_ids, initial_state), axis=1)
-
-
-def pdn_scale(A, center, *, x=1.5, eps=1e-6):
-  """M = exp(−log(x) z / (1 + |z|)), z = log(A + ε) − c (c per head [H] or scalar); M ∈ (1/x, x). x ≥ 1, ε > 0."""
-  checks.pdn("pdn_scale", x=x, eps=eps)
-  z = jnp.log(A + eps) - jnp.asarray(center, A.dtype)[..., None]
-  return jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
 
 
 def _saveable(key):
@@ -191,11 +174,20 @@ def apply_guard(w, k, beta, gamma):
   return w * jnp.minimum(1.0, gamma / jnp.maximum(s, 1e-12))[..., None]
 
 
-def _bound(d, lo, hi):
+def bound(d, lo, hi):
+  """OSDN's box clip: clip(d, lo, hi), a bound of None not acting (d itself when both are None)."""
   return d if lo is None and hi is None else jnp.clip(d, lo, hi)
 
 
-def _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
+def osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
+  """The d-pass's arrays as `osdn_write_key` builds them: (k, beta, u, n, retention, d_init, d1).
+
+  k [B, T, H, K] keys, beta [B, T, G] gains, retention None or [B, T, G], d_init a scalar or broadcastable to
+  [G, K], initial_state None or [B, G, K] ([n_seg, G, K] when packed). Returns, in the compute dtype: k expanded
+  to the G heads [B, T, G, K], beta, u = k ⊙ k, n = max(‖k‖², 1e-12) [B, T, G], retention floored at e^−30
+  (None stays None), d_init broadcast to [G, K], and d1, the d of token 1: initial_state, else d_init broadcast to
+  [B, G, K] ([n_seg, G, K] with n_seg given). The arguments of `osdn_d_pass` (and `diagnostics.clip`'s).
+  """
   heads = beta.shape[2]
   ct = _ct(k, beta, retention)
   k = jnp.asarray(_on_heads(k, heads), ct)
@@ -248,14 +240,17 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
 
   def body(d, x):
     u_t, n_t, b_t, r_t = x
-    return _osdn_update(d, u_t, n_t, b_t, r_t, d_init, **bounds), d
+    return osdn_update(d, u_t, n_t, b_t, r_t, d_init, **bounds), d
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
   d_last, ds = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, retention))))
   return jnp.moveaxis(ds, 0, 1), d_last
 
 
-def _osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, anchor):
+def osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, anchor):
+  """One token's step of the d-pass: d_{t+1} = clip(keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t, d_min, d_max),
+  keep_t as in `osdn_d_pass`. d, u_t [B, G, K]; n_t, b_t, r_t [B, G] (r_t None: r ≡ 1); a bound of None does not
+  act (both None: the unclipped d̄_{t+1})."""
   step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
   if r_t is None:
     keep = d
@@ -263,7 +258,7 @@ def _osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, anchor):
     keep = r_t[..., None] * d
   else:
     keep = d_init + r_t[..., None] * (d - d_init)
-  return _bound(keep + step, d_min, d_max)
+  return bound(keep + step, d_min, d_max)
 
 
 def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids):
@@ -274,7 +269,7 @@ def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor,
   def body(d, x):
     u_t, n_t, b_t, r_t, start_t, seg_t = x
     d = jnp.where(start_t[:, None, None], d1[jnp.minimum(seg_t, count - 1)], d)
-    d_next = _osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
+    d_next = osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
     return d_next, (d, d_next)
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
@@ -293,7 +288,7 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
       y_{t+1} = r_t y_t − c_t k²(k²ᵀ y_t) + b_t k².
   The delta rule S_t = D_t S_{t-1} + β' k̃' (v' − k'ᵀ D_t S_{t-1}) reads its erase key against the *decayed*
   state, so it is this recurrence with D_t = r_t, read key k' = (c_t / r_t) k², write key k̃' = k², v' = b_t,
-  β' = 1 (r is floored at e^−30 in `_osdn_inputs` for every form, so 1/r ≤ e^30 stays finite, and the chunk
+  β' = 1 (r is floored at e^−30 in `osdn_inputs` for every form, so 1/r ≤ e^30 stays finite, and the chunk
   form's e^{G_i} cancels it exactly). S_t = y_{t+1}: the states before each token give d_t.
   """
   o = d_init if anchor == "init" else jnp.zeros_like(d_init)
@@ -342,7 +337,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
   if segment_ids is not None:
     # Traced ids and no initial_state: N is unknown, every segment starts from d_init, no final states.
     n_seg = num_segments(segment_ids, initial_state) or 1
-  kx, beta, u, n, r, d0, d1 = _osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
+  kx, beta, u, n, r, d0, d1 = osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
   ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor,
                            segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:

@@ -28,7 +28,7 @@ def d_pass_inputs(point, k, beta, features=None) -> tuple[dict, dict]:
                      f"{point.axis_name('precond')!r})")
   o = point.opts
   retention = registry.osdn_retention(features or {})
-  _, beta, u, n, r, d_init, d1 = precond._osdn_inputs(k, beta, retention, o["d_init"], None)
+  _, beta, u, n, r, d_init, d1 = precond.osdn_inputs(k, beta, retention, o["d_init"], None)
   arrays = dict(u=u, n=n, beta=beta, retention=r, d1=d1, d_init=d_init)
   return arrays, dict(eta=o["eta"], d_min=o["d_min"], d_max=o["d_max"], anchor=o["apf_anchor"])
 
@@ -46,9 +46,9 @@ def clip_trajectory(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anc
 
   def body(d, x):
     u_t, n_t, b_t, r_t = x
-    bar = precond._osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=None, d_max=None, anchor=anchor)
+    bar = precond.osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=None, d_max=None, anchor=anchor)
     below, above = outside(bar, d_min, jnp.less), outside(bar, d_max, jnp.greater)
-    return precond._bound(bar, d_min, d_max), (d, below, above)
+    return precond.bound(bar, d_min, d_max), (d, below, above)
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
   d_last, out = lax.scan(body, d1, tuple(map(time_major, (u, n, beta, retention))))

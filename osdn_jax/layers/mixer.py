@@ -31,7 +31,9 @@ COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 CHUNK_SIZES = (16, 32, 64, 128)
 
 
-def _positive(owner: str, **fields) -> None:
+def positive(owner: str, **fields) -> None:
+  """Raises a ValueError (prefixed by `owner`, e.g. "ModelConfig") unless each of `fields` is None or a positive
+  int (not a bool)."""
   for name, value in fields.items():
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
       raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
@@ -39,8 +41,8 @@ def _positive(owner: str, **fields) -> None:
 
 def check_heads(owner: str, *, d_model, num_heads, head_dim=None, num_value_heads=None, value_head_dim=None):
   """Validates the head layout; returns (H, K, HV, V). `owner` prefixes the messages (e.g. "ModelConfig")."""
-  _positive(owner, d_model=d_model, num_heads=num_heads, head_dim=head_dim, num_value_heads=num_value_heads,
-            value_head_dim=value_head_dim)
+  positive(owner, d_model=d_model, num_heads=num_heads, head_dim=head_dim, num_value_heads=num_value_heads,
+           value_head_dim=value_head_dim)
   if head_dim is None and d_model % num_heads:
     raise ValueError(f"{owner}: `num_heads` ({num_heads}) must divide `d_model` ({d_model}) when `head_dim` "
                      "is not given")
@@ -115,7 +117,7 @@ class MixerConfig:
       raise ValueError(f"MixerConfig: `point` must be a dgps.Point or a registry name, got {self.point!r}")
     check_heads("MixerConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
                 num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
-    _positive("MixerConfig", conv_size=self.conv_size, gate_rank=self.gate_rank)
+    positive("MixerConfig", conv_size=self.conv_size, gate_rank=self.gate_rank)
     if self.chunk_size not in CHUNK_SIZES:
       raise ValueError(f"MixerConfig: `chunk_size` must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
     check_dtype("MixerConfig", self.dtype)

@@ -88,8 +88,8 @@ class ModelConfig:
   def __post_init__(self):
     if not isinstance(self.variant, str) or self.variant.lower() not in dgps.POINTS:
       raise ValueError(f"ModelConfig: unknown `variant` {self.variant!r}; known: {', '.join(dgps.names())}")
-    mixer_lib._positive("ModelConfig", vocab_size=self.vocab_size, num_layers=self.num_layers,
-                        mlp_hidden=self.mlp_hidden, conv_size=self.conv_size, gate_rank=self.gate_rank)
+    mixer_lib.positive("ModelConfig", vocab_size=self.vocab_size, num_layers=self.num_layers,
+                       mlp_hidden=self.mlp_hidden, conv_size=self.conv_size, gate_rank=self.gate_rank)
     if self.chunk_size not in mixer_lib.CHUNK_SIZES:
       raise ValueError(f"ModelConfig: `chunk_size` must be one of {mixer_lib.CHUNK_SIZES}, "
                        f"got {self.chunk_size!r}")

@@ -33,13 +33,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu.delta_rule.kernel import (F32, HIGHEST, _column, _iota, _masked_exp, _ones_where, chunk_forward,
-                                                  dot, grid_spec, segment_flags)
+from pallas_kernels.tpu.delta_rule.kernel import (F32, HIGHEST, chunk_forward, column, dot, grid_spec, iota,
+                                                  masked_exp, ones_where, segment_flags)
 from pallas_kernels.tpu.delta_rule.layout import Layout, interpret_mode
 
 
 def _row(col, i, j):
-  """[C, 1] → [1, C] (the inverse of `_column`)."""
+  """[C, 1] → [1, C] (the inverse of `column`)."""
   return jnp.sum(jnp.where(i == j, col, 0.0), axis=0, keepdims=True)
 
 
@@ -57,14 +57,14 @@ def channel_rows(m, y, g_ref, *, sub: int, mm=F32, precision=HIGHEST):
   c, kd = y.shape
   s = min(sub, c)
   g = g_ref[...]
-  i, j = _iota(c, 0), _iota(c, 1)
+  i, j = iota(c, 0), iota(c, 1)
   pos = lax.broadcasted_iota(jnp.int32, (c, 1), 0) & (s - 1)
   out = jnp.zeros((c, kd), F32)
   for d in range(s):
     shift = np.int32(d)
     y_d, g_d = (y, g) if d == 0 else (pltpu.roll(y, shift, 0), pltpu.roll(g, shift, 0))   # row i: y, G of i − d
     ok = pos >= d
-    out = out + jnp.where(ok, _diagonal(m, i, j, d), 0.0) * y_d * _masked_exp(g - g_d, ok)
+    out = out + jnp.where(ok, _diagonal(m, i, j, d), 0.0) * y_d * masked_exp(g - g_d, ok)
   if c == s:
     return out
   blocks = [jnp.zeros((s, kd), F32)]
@@ -86,14 +86,14 @@ def channel_cols(mt, x, g_ref, *, sub: int, mm=F32, precision=HIGHEST):
   c, kd = x.shape
   s = min(sub, c)
   g = g_ref[...]
-  i, j = _iota(c, 0), _iota(c, 1)
+  i, j = iota(c, 0), iota(c, 1)
   pos = lax.broadcasted_iota(jnp.int32, (c, 1), 0) & (s - 1)
   out = jnp.zeros((c, kd), F32)
   for d in range(s):
     shift = np.int32((c - d) % c)
     x_d, g_d = (x, g) if d == 0 else (pltpu.roll(x, shift, 0), pltpu.roll(g, shift, 0))   # row r: x, G of r + d
     ok = pos < s - d
-    out = out + jnp.where(ok, _diagonal(mt, i, j, -d), 0.0) * x_d * _masked_exp(g_d - g, ok)
+    out = out + jnp.where(ok, _diagonal(mt, i, j, -d), 0.0) * x_d * masked_exp(g_d - g, ok)
   if c == s:
     return out
   blocks = []
@@ -161,7 +161,7 @@ def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low
   dv_new = dot(lo(p), lo(do), ta=True, precision=prec) + dot(lo(kw_ret), lo(dsp), precision=prec)
   q_eg = q.astype(F32) * eg if decay != "none" else q
   if decay == "channel":
-    e_end = jnp.exp(_column(g_end, _iota(kd, 0), _iota(kd, 1)))      # [K, 1]
+    e_end = jnp.exp(column(g_end, iota(kd, 0), iota(kd, 1)))        # [K, 1]
     ds_new = e_end * dsp
   elif decay == "scalar":
     ds_new = jnp.exp(g_end) * dsp
@@ -174,14 +174,14 @@ def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low
   dv = beta_col * x
   y = -dot(t, dot(lo(dv_new), lo(s), tb=True, precision=prec), ta=True, precision=HIGHEST)   # Tᵀ dW, [C, K]
   y_w = jnp.sum(y * w_in.astype(F32), axis=1, keepdims=True)        # rowsum(Y ⊙ W's right factor)
-  da = -dot(x, v_new, tb=True, precision=HIGHEST) * _ones_where(i > j)
+  da = -dot(x, v_new, tb=True, precision=HIGHEST) * ones_where(i > j)
   dbeta = jnp.sum(x * v.astype(F32), axis=1, keepdims=True) + jnp.sum(da * kk, axis=1, keepdims=True)
   dm = beta_col * da                                                 # cotangent of kk's (masked) pair sums
 
   # Output and state terms.
   dqs = dot(lo(do), lo(s), tb=True, precision=prec)                  # dO Sᵀ, [C, K]
   dvs = dot(lo(v_new), lo(dsp), tb=True, precision=prec)             # V_new dS'ᵀ, [C, K]
-  dp = dot(lo(do), lo(v_new), tb=True, precision=prec) * _ones_where(i >= j)      # dP, [C, C]
+  dp = dot(lo(do), lo(v_new), tb=True, precision=prec) * ones_where(i >= j)      # dP, [C, C]
 
   if decay == "channel":
     dbeta = dbeta + y_w
@@ -195,9 +195,9 @@ def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low
           + beta_col * y * w_in + dk_a * k.astype(F32) - dkw_a * kw.astype(F32) - kw_ret * dvs)
     end = lax.broadcasted_iota(jnp.int32, (n, 1), 0) == n - 1
     sd = jnp.sum(s * dsp, axis=1, keepdims=True)                     # [K, 1]
-    dG_end = jnp.exp(g_end) * _row(sd, _iota(kd, 0), _iota(kd, 1)) + jnp.sum(kw_ret * dvs, axis=0, keepdims=True)
+    dG_end = jnp.exp(g_end) * _row(sd, iota(kd, 0), iota(kd, 1)) + jnp.sum(kw_ret * dvs, axis=0, keepdims=True)
     dG = dG + jnp.where(end, dG_end, 0.0)
-    dld_ref[...] = dot(_ones_where(i >= j), dG, ta=True, precision=HIGHEST).astype(dld_ref.dtype)
+    dld_ref[...] = dot(ones_where(i >= j), dG, ta=True, precision=HIGHEST).astype(dld_ref.dtype)
     dgates_ref[...] = _row(dbeta, i, j).astype(dgates_ref.dtype)
   else:
     dqk = dp * causal                                                # cotangent of Q K̃ᵀ

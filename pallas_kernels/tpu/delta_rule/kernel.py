@@ -17,7 +17,7 @@ through HBM.
 
 Row factors go on the side of a dot that keeps the loaded tiles as they are (β e^G on T's columns, e^G on the
 rows of Q S, e^{G_C − G} on the rows of V_new). β and G come in as rows [1, C]; their columns [C, 1] are formed
-in the kernel (`_column`), since a [T, 1] array in HBM is tiled 128 lanes wide.
+in the kernel (`column`), since a [T, 1] array in HBM is tiled 128 lanes wide.
 """
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def dot(a, b, *, ta=False, tb=False, precision=None):
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def _iota(c: int, axis: int):
+def iota(c: int, axis: int):
+  """Row (axis 0) or column (axis 1) indices of a [c, c] tile, int32."""
   return lax.broadcasted_iota(jnp.int32, (c, c), axis)
 
 
-def _ones_where(mask):
+def ones_where(mask):
   """mask as fp32 ones and zeros (a fp32 constant: Python floats would be fp64 with x64 enabled)."""
   return mask.astype(F32)
 
@@ -65,7 +66,7 @@ def unit_lower_inverse(a, precision=HIGHEST):
   ever formed. The first level (b = 1, X = I) needs no dot.
   """
   c = a.shape[0]
-  i, j = _iota(c, 0), _iota(c, 1)
+  i, j = iota(c, 0), iota(c, 1)
   x = None
   b = 1
   while b < c:
@@ -73,19 +74,19 @@ def unit_lower_inverse(a, precision=HIGHEST):
     lower_left = ((i ^ j) < 2 * b) & ((i & b) != 0) & ((j & b) == 0)
     a_b = jnp.where(lower_left, a, 0.0)
     if x is None:
-      x = _ones_where(i == j) - a_b
+      x = ones_where(i == j) - a_b
     else:
       x = x - dot(x, dot(a_b, x, precision=precision), precision=precision)
     b *= 2
-  return _ones_where(i == j) if x is None else x
+  return ones_where(i == j) if x is None else x
 
 
-def _column(row, i, j):
+def column(row, i, j):
   """[1, C] → [C, 1]: the row's values along sublanes (its diagonal matrix reduced over lanes)."""
   return jnp.sum(jnp.where(i == j, row, 0.0), axis=1, keepdims=True)
 
 
-def _masked_exp(diff, mask):
+def masked_exp(diff, mask):
   """e^diff where mask, else 0, with the exponent masked before exp (so ≤ 1 for the causal pairs)."""
   return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
 
@@ -104,14 +105,14 @@ def channel_scores(x_ref, y_ref, g_ref, *, strict: bool, sub: int, mm=F32, preci
   c, kd = x_ref.shape
   s = min(sub, c)
   x, y, g = (r[...].astype(F32) for r in (x_ref, y_ref, g_ref))
-  i, j = _iota(c, 0), _iota(c, 1)
+  i, j = iota(c, 0), iota(c, 1)
   pos = lax.broadcasted_iota(jnp.int32, (c, 1), 0) & (s - 1)        # row index within its sub-block
   out = jnp.zeros((c, c), F32)
   for d in range(1 if strict else 0, s):
     shift = np.int32(d)                                              # (a Python int is int64 under x64)
     y_d, g_d = (y, g) if d == 0 else (pltpu.roll(y, shift, 0), pltpu.roll(g, shift, 0))   # row i: y, G of i − d
     ok = pos >= d
-    val = jnp.sum(x * y_d * _masked_exp(g - g_d, ok), axis=1, keepdims=True)         # [C, 1]
+    val = jnp.sum(x * y_d * masked_exp(g - g_d, ok), axis=1, keepdims=True)         # [C, 1]
     out = out + jnp.where((j == i - d) & ok, val, 0.0)
   if c == s:
     return out
@@ -134,7 +135,7 @@ def segment_flags(codes_ref, chunk):
 
 def _bad(x):
   """1.0 where x is NaN or ±inf, else 0.0 (fp32)."""
-  return _ones_where(~(jnp.abs(x.astype(F32)) < jnp.inf))
+  return ones_where(~(jnp.abs(x.astype(F32)) < jnp.inf))
 
 
 def first_fault(k, kw, v, gates_ref, ld, i, j):
@@ -144,10 +145,10 @@ def first_fault(k, kw, v, gates_ref, ld, i, j):
   n = k.shape[0]
   rows = [jnp.max(_bad(x), axis=1, keepdims=True) for x in (k, v) + (() if kw is None else (kw,))]
   gates = jnp.max(_bad(gates_ref[...]), axis=0, keepdims=True)                   # [1, C]: β (and G)
-  rows.append(_column(gates, i, j))
+  rows.append(column(gates, i, j))
   if ld is not None:
     ldf = ld.astype(F32)
-    rows.append(jnp.max(_ones_where((ldf != ldf) | (ldf == jnp.inf)), axis=1, keepdims=True))
+    rows.append(jnp.max(ones_where((ldf != ldf) | (ldf == jnp.inf)), axis=1, keepdims=True))
   bad = functools.reduce(jnp.maximum, rows)                                       # [C, 1]
   return jnp.min(jnp.where(bad > 0, _rows(n, 0), float(n)), axis=0, keepdims=True)
 
@@ -175,7 +176,7 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
   lo = lambda x: x.astype(mm)
   q, k, kw, v = q_ref[...], k_ref[...], kw_ref[...], v_ref[...]
   n = q.shape[0]
-  i, j = _iota(n, 0), _iota(n, 1)
+  i, j = iota(n, 0), iota(n, 1)
   beta_row = gates_ref[0:1, :]                                       # [1, C]
   ld = ld_ref[...] if decay == "channel" else None
   g_row = gates_ref[1:2, :] if decay == "scalar" else None
@@ -187,11 +188,11 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
     beta_row = jnp.where(keep_row, beta_row, 0.0)
     ld = None if ld is None else jnp.where(keep_col, ld, jnp.zeros((), ld.dtype))
     g_row = None if g_row is None else jnp.where(keep_row, g_row, 0.0)
-  beta_col = _column(beta_row, i, j)                                 # [C, 1]
+  beta_col = column(beta_row, i, j)                                 # [C, 1]
   strict = causal = eg = g_end = ret = None
   if decay == "channel":
     ldf = ld.astype(F32)
-    g_ref[...] = dot(_ones_where(i >= j), jnp.where(ldf < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, ldf),
+    g_ref[...] = dot(ones_where(i >= j), jnp.where(ldf < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, ldf),
                      precision=HIGHEST)                              # G = in-chunk inclusive cumsum (NaN stays)
     g = g_ref[...]
     g_end = g_ref[n - 1:n, :]                                        # G_C, [1, K]
@@ -201,15 +202,15 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
     w_in, w_cols = k.astype(F32) * eg, beta_row
   else:
     if decay == "scalar":
-      g_col = _column(g_row, i, j)
+      g_col = column(g_row, i, j)
       diff = g_col - g_row                                           # G_i − G_j, [C, C]
-      strict, causal = _masked_exp(diff, i > j), _masked_exp(diff, i >= j)
+      strict, causal = masked_exp(diff, i > j), masked_exp(diff, i >= j)
       last = lax.broadcasted_iota(jnp.int32, (1, n), 1) == n - 1
       g_end = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)         # G_C, [1, 1]
       eg, ret = jnp.exp(g_col), jnp.exp(g_end - g_col)               # [C, 1]
       w_cols = beta_row * jnp.exp(g_row)
     else:
-      strict, causal = _ones_where(i > j), _ones_where(i >= j)
+      strict, causal = ones_where(i > j), ones_where(i >= j)
       w_cols = beta_row
     kk = dot(k, kw, tb=True, precision=exact) * strict
     scores = dot(q, kw, tb=True, precision=exact) * causal
@@ -274,7 +275,7 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
   o_ref[...] = (scale * o).astype(o_ref.dtype)
 
   if decay == "channel":
-    s = jnp.exp(_column(f.g_end, _iota(kd, 0), _iota(kd, 1))) * s    # rows of S by e^{G_C}
+    s = jnp.exp(column(f.g_end, iota(kd, 0), iota(kd, 1))) * s    # rows of S by e^{G_C}
     kw = kw.astype(F32) * f.ret
   elif decay == "scalar":
     s = jnp.exp(f.g_end) * s
