@@ -1,6 +1,8 @@
 """Small language models per variant on the text corpus (`make data`): every variant sees the same tokens in the
 same order for the same number of steps (one config, one seed); reported are the validation loss and perplexity
-on the corpus's fixed validation split (`osdn_jax.data.sources.in_validation`) and the training-loss curves.
+on the corpus's fixed validation split (`osdn_jax.data.sources.in_validation`): the trainer's held-out loss at the
+last step (`eval_every` = steps, `eval_batches` = validation_batches; `train.loop.eval_batches`), and the
+training-loss curves.
 
   python -m experiments.lm                        # the default (bytes, the `mqar` size: d_model 128, 2 layers)
   python -m experiments.lm --smoke                # CI size
@@ -12,19 +14,14 @@ directories under OUT/runs/lm/.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 
-import jax
-import numpy as np
 from absl import app, flags
 
 from experiments import common
 from experiments.plot_run import read_metrics
-from osdn_jax import data as data_lib
 from osdn_jax import plugins
 from osdn_jax.train import get_config
-from osdn_jax.train.step import graphdef, loss_sum, segments_bound
 
 FLAGS = flags.FLAGS
 
@@ -55,28 +52,11 @@ class LM:
     c.keep_checkpoints = 1
     c.async_checkpoint = False
     c.diagnostics_every = 0
+    c.eval_every, c.eval_batches = self.steps, self.validation_batches   # the held-out loss at the end
     c.optimizer.lr = self.lr
     c.optimizer.warmup_steps = max(1, min(100, self.steps // 10))
     c.data.tokenizer, c.data.vocab_size = self.tokenizer, self.vocab_size
     return c
-
-
-def validation_loss(result, config, batches: int) -> float:
-  """Mean −log p per scored token over `batches` batches of the validation split (one fixed order)."""
-  pipe = data_lib.make_pipeline(dict(config.data, split="validation", prefetch=0), seq_len=config.seq_len,
-                                batch_size=config.batch_size, seed=12345)
-  graph, params = graphdef(result.model_config), result.state["params"]
-  fn = jax.jit(lambda p, b, n: loss_sum(graph, p, b, loss_chunk=config.loss_chunk, segments_per_row=n),
-               static_argnums=2)
-  total = count = 0.0
-  try:
-    for _ in range(batches):
-      batch = next(pipe)
-      total += float(fn(params, batch, segments_bound(batch["segment_ids"])))
-      count += float(np.sum(batch["loss_mask"]))
-  finally:
-    pipe.close()
-  return total / max(count, 1.0)
 
 
 def run(spec: LM, out_dir) -> list[dict]:
@@ -88,10 +68,13 @@ def run(spec: LM, out_dir) -> list[dict]:
       bar.set_postfix_str(v)
       workdir = root / v.replace(":", "_").replace("=", "-").replace(",", "_")
       config = spec.config(v)
-      result = common.fit(config, workdir)
-      val = validation_loss(result, config, spec.validation_batches)
-      curve = [(r["step"], r["loss"]) for r in read_metrics(common.run_dir(config, workdir)) if "loss" in r]
-      rows.append(dict(variant=v, validation_loss=val, validation_perplexity=math.exp(val),
+      common.fit(config, workdir)
+      logged = read_metrics(common.run_dir(config, workdir))   # also a finished run's, reused
+      val = next((r for r in logged if "eval_loss" in r and r["step"] == config.steps), None)
+      if val is None:
+        raise RuntimeError(f"lm: {common.run_dir(config, workdir)} logged no held-out loss at step {config.steps}")
+      curve = [(r["step"], r["loss"]) for r in logged if "loss" in r]
+      rows.append(dict(variant=v, validation_loss=val["eval_loss"], validation_perplexity=val["eval_perplexity"],
                        final_train_loss=curve[-1][1] if curve else None, curve=curve,
                        tokens=config.steps * config.batch_size * config.seq_len))
       bar.update()

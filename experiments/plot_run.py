@@ -1,6 +1,7 @@
 """Plots of training runs: reads DIR/metrics.jsonl (as `python -m osdn_jax.train --workdir=DIR` writes it) and
-draws one PNG: loss, learning rate, gradient norm (log scale) and throughput against the step, and, when the run
-logged diagnostics, the per-layer q_geo and ‖S‖ against the step (one line per layer, coloured by layer).
+draws one PNG: loss (and, dashed, the held-out eval_loss where the run evaluated), learning rate, gradient norm
+(log scale) and throughput against the step, and, when the run logged diagnostics, the per-layer q_geo and ‖S‖
+against the step (one line per layer, coloured by layer). A line holding an evaluation only adds to no other panel.
 Several runs overlay in the same panels, each named by its directory.
 
   python -m experiments.plot_run DIR                          # writes DIR/run.png
@@ -102,7 +103,13 @@ def plot(run_dirs: list[str], out: str) -> str:
 
   for ax, (key, title, scale) in zip(axes, SCALARS):
     for rows, name, color in zip(runs, names, run_colors):
-      steps, values = [r["step"] for r in rows], _column(rows, key)
+      if key == "loss" and (held := [r for r in rows if "eval_loss" in r]):
+        ax.plot([r["step"] for r in held], _column(held, "eval_loss"), color=color, ls="--", marker="o", ms=3,
+                lw=1.0, label=f"{name} (held-out)")
+      logged = [r for r in rows if key in r]      # an evaluation's own line holds no training values
+      if not logged:
+        continue
+      steps, values = [r["step"] for r in logged], _column(logged, key)
       ax.plot(steps, values, color=color, label=name, lw=1.2, marker="." if len(steps) < 50 else None)
       if key == "tokens_per_s" and math.isfinite(values[0]):
         ax.plot(steps[:1], values[:1], "o", mfc="none", color=color, ms=7)

@@ -156,13 +156,13 @@ _TRAIN_STEP = textwrap.dedent("""
     def run(shape):
       m = mesh_lib.make_mesh(dict(zip(("data", "fsdp", "context", "tensor"), shape)),
                              jax.devices()[:int(np.prod(shape))])
-      sh = loop._shard_state(jax.eval_shape(lambda: init_state(cfg, tx, 0)), m)
+      sh = loop.shard_state(jax.eval_shape(lambda: init_state(cfg, tx, 0)), m)
       state = jax.jit(lambda: init_state(cfg, tx, 0), out_shardings=sh)()
       before = jax.device_get(state["params"])
       fn = jax.jit(make_train_step(graphdef(cfg), tx, grad_accum=1, loss_chunk=16),
                    in_shardings=(sh, mesh_lib.batch_sharding(m)), out_shardings=(sh, None), static_argnums=2)
       with jax.set_mesh(m):
-        state, met = fn(state, loop._global_batch(batch, mesh_lib.batch_sharding(m)), segments_bound(seg))
+        state, met = fn(state, loop.global_batch(batch, mesh_lib.batch_sharding(m)), segments_bound(seg))
       return float(met["loss"]), jax.tree.map(lambda a, b: a - b, before, jax.device_get(state["params"]))
     loss0, g0 = run((1, 1, 1, 1))
     flat = lambda t: np.concatenate([x.ravel() for x in jax.tree.leaves(t)])

@@ -249,13 +249,13 @@ _SHARDED = textwrap.dedent("""
     batch = dict(tokens=t[:, :-1], targets=t[:, 1:], segment_ids=seg, loss_mask=np.ones((8, 48), np.float32))
     def run(shape, accum):
       m = mesh_lib.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape)), jax.devices()[:int(np.prod(shape))])
-      sh = loop._shard_state(jax.eval_shape(lambda: init_state(cfg, tx, 0)), m)
+      sh = loop.shard_state(jax.eval_shape(lambda: init_state(cfg, tx, 0)), m)
       state = jax.jit(lambda: init_state(cfg, tx, 0), out_shardings=sh)()
       before = jax.device_get(state["params"])
       fn = jax.jit(make_train_step(graphdef(cfg), tx, grad_accum=accum, loss_chunk=16),
                    in_shardings=(sh, mesh_lib.batch_sharding(m)), out_shardings=(sh, None), static_argnums=2)
       with jax.set_mesh(m):
-        state, met = fn(state, loop._global_batch(batch, mesh_lib.batch_sharding(m)), segments_bound(seg))
+        state, met = fn(state, loop.global_batch(batch, mesh_lib.batch_sharding(m)), segments_bound(seg))
       grads = jax.tree.map(lambda a, b: a - b, before, jax.device_get(state["params"]))
       return float(met["loss"]), grads
     loss0, g0 = run((1, 1, 1), 1)

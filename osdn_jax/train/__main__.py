@@ -14,10 +14,16 @@ Several processes (docs/training.md, "Several processes"): every process runs th
 --distributed alone, each first joins the run through `jax.distributed.initialize()`, which reads the cluster's
 environment (SLURM, TPU pods, Open MPI, ...); with --coordinator_address=HOST:PORT --num_processes=N
 --process_id=I (all three), through those values instead (the coordinator is process 0's host).
+
+The command line's errors (an unknown config name, a config field that does not exist such as --config.stpes=3,
+a bad value, a work directory that is a file, any other flag error) are one line on stderr and exit status 1; the
+end of a run prints its summary (steps, final training loss, held-out loss, tokens/s, where the checkpoints and
+metrics are) on stdout.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 
@@ -27,7 +33,12 @@ from absl import app, flags
 from osdn_jax import plugins
 from osdn_jax.train import configs
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
-from osdn_jax.train.loop import train
+from osdn_jax.train.loop import describe, run
+
+# --help shows the config's fields too (absl prints the main module's docstring).
+if __doc__ and configs.__doc__:   # (none under python -OO)
+  __doc__ += "\nConfig fields" + configs.__doc__.split("\nFields", 1)[1]
+HELP = ("--help", "-help", "--helpshort", "-helpshort", "-?", "-h", "--helpfull", "-helpfull")
 
 _CONFIG = configs.define_config_flag()
 _IMPORTS = plugins.define_imports_flag()
@@ -54,17 +65,77 @@ def distributed_args(coordinator_address, num_processes, process_id) -> dict | N
   return given
 
 
+def fail(message: str):
+  """Ends the command with `message` as one line on stderr, exit status 1."""
+  text = " ".join(message.split())
+  sys.stderr.write(("" if text.startswith("train") else "train: ") + text + "\n")
+  sys.stderr.flush()
+  sys.exit(1)
+
+
+def _unknown_field(error: KeyError, args: list[str]) -> str:
+  """The one line for ml_collections' KeyError of an override naming a field the config lacks."""
+  text = str(error.args[0]) if error.args else ""
+  # A missing field: 'Key "stpes" does not exist ...'; a missing parent (--config.optimzer.lr): "'optimzer'".
+  found = re.search(r'Key "([^"]+)" does not exist', text) or re.match(r"'([^']+)'", text)
+  key = found[1] if found else text
+  given = next((a.split("=", 1)[0] for a in args if a.startswith("--config.")
+                and key in a.split("=", 1)[0].split(".")[1:]), None)
+  if given is None:
+    return f"bad config override: {type(error).__name__}: {text.splitlines()[0] if text else ''}"
+  guess, hint = re.search(r'Did you mean "([^"]+)"', text), ""
+  if guess:
+    parts = given.split(".")
+    parts[parts.index(key)] = guess[1]
+    hint = f"; did you mean {'.'.join(parts)}?"
+  return f"{given}: the config has no field {key!r}{hint} (--help lists the fields)"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser) with the trainer's manners: --help (-h, --helpshort,
+  --helpfull) prints the usage with the config's fields and exits 0; an unknown --config name, an override of a
+  field the config lacks, and any other flag error end the command with one line (`fail`)."""
+  args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+  if any(a in HELP for a in args):
+    app.usage(shorthelp=not any(a in ("--helpfull", "-helpfull") for a in args), writeto_stdout=True)
+    sys.exit(0)
+  values = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+  values += [v for a, v in zip(args, args[1:]) if a == "--config"]
+  for value in values:   # flag_args made a named config its file in configs.py; ml_collections reads path[:arg]
+    if not os.path.isfile(value.split(":", 1)[0]):
+      fail(f"unknown --config {value!r}: not a named config ({', '.join(configs.CONFIGS)}) nor a config file "
+           "(--config=path/to/file.py[:arg], a file with get_config())")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    # A config file that raised: absl's message holds the traceback, whose last line is the error.
+    fail(lines[0] + (f" {lines[-1].strip()}" if len(lines) > 1 and "Traceback" in str(e) else "")
+         if lines else type(e).__name__)
+  except KeyError as e:
+    fail(_unknown_field(e, args))
+
+
 def main(argv):
   quiet_checkpoint_logs()
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {argv[1:]}")
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    fail(f"--workdir={workdir} is a file; name a directory (a new one starts a run, an existing run's resumes it)")
+  try:
+    configs.validate(config)
+  except ValueError as e:
+    fail(str(e))
   explicit = distributed_args(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if explicit is not None:
     jax.distributed.initialize(**explicit)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
   try:
-    train(_CONFIG.value, _WORKDIR.value)
+    result = run(config, workdir)
+    if jax.process_index() == 0:
+      print(describe(result.summary, workdir), flush=True)
   except BaseException:
     if explicit is None and not _DISTRIBUTED.value:
       raise
@@ -76,4 +147,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, argv=configs.flag_args(sys.argv))
+  app.run(main, argv=configs.flag_args(sys.argv), flags_parser=parse_flags)

@@ -138,7 +138,7 @@ def compile_for_topology(config, topology: str, *, segments_per_row: int | None 
   chip, dims = parse_topology(topology)
   devices = topology_devices(topology) if devices is None else devices
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  loop._rows_per_process(config, mesh)
+  loop.rows_per_process(config, mesh)
   cfg = loop.model_config(config, vocab or vocab_size(config))
   mesh_lib.check_heads(cfg, mesh)
   if segments_per_row is None:
@@ -146,7 +146,7 @@ def compile_for_topology(config, topology: str, *, segments_per_row: int | None 
 
   tx = optim.make(config.optimizer, config.steps)
   abstract = jax.eval_shape(lambda: init_state(cfg, tx, config.seed))
-  state_sh = loop._shard_state(abstract, mesh)
+  state_sh = loop.shard_state(abstract, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
   step = make_train_step(graphdef(cfg), tx, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,

@@ -13,6 +13,12 @@ its batch on the device in checked mode (`step.checked_train_step`: token ids, s
 without blocking, whenever the loop fetches metrics (logging, before a checkpoint is written) and at the end, so
 a failed check stops the run (ValueError naming the step) before a checkpoint holds its result.
 
+Every `eval_every` steps and at the last step (none when 0) the loop evaluates the held-out loss on the same
+`eval_batches` batches of the validation split (`eval_batches`, read once before the first step; `evaluate`), with
+the step's loss and sharding and no gradient, and logs eval_loss (mean nats per scored token), eval_perplexity
+(its exp) and eval_tokens (the scored tokens) on that step's line of metrics.jsonl. An evaluation reads the
+parameters only: the training steps are the same with it and without it.
+
     metrics = osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")   # the last logged metrics
     result = osdn_jax.train.run(config, workdir)      # also the trained model (result.model)
     model, config = osdn_jax.train.load("/tmp/run")   # the newest checkpoint of a work directory
@@ -44,7 +50,8 @@ from osdn_jax.data.pipeline import TokenIdError
 from osdn_jax.train import configs, mesh as mesh_lib, optim
 from osdn_jax.train.checkpoints import Checkpoints
 from osdn_jax.train.metrics import Progress, Writer
-from osdn_jax.train.step import checked_train_step, graphdef, init_state, make_train_step, segments_bound
+from osdn_jax.train.step import (checked_train_step, graphdef, init_state, make_eval_step, make_train_step,
+                                 segments_bound)
 
 # Steps whose checks may wait unread; beyond this the oldest are read (long finished: nothing waits in practice).
 MAX_UNREAD_CHECKS = 64
@@ -53,7 +60,10 @@ CONFIG, CONFIG_HISTORY, LOCK = "config.json", "config_history.jsonl", "lock"
 # The config fields a resume may change: `steps` (the schedule is then the new length's) and the fields that
 # leave every step's computation as it was: what is logged, checkpointed and shown, and the data's prefetch depth.
 RESUMABLE = ("steps", "log_every", "checkpoint_every", "keep_checkpoints", "async_checkpoint", "progress",
-             "diagnostics_every", "data.prefetch")
+             "diagnostics_every", "data.prefetch", "eval_every", "eval_batches")
+# The held-out batches' seed (`eval_batches`): one draw for every run of a config whatever its `seed`, so that runs
+# of several seeds are evaluated on the same rows (experiments.common.validation_tokens draws with it too).
+EVAL_SEED = 12345
 _ABSENT = "(absent)"
 
 
@@ -110,10 +120,15 @@ class WorkdirLock:
 @dataclasses.dataclass
 class TrainResult:
   """What `run` returns: the last logged metrics ({"step", "loss", ...}; empty when no step ran), the final
-  training state (`step.init_state`'s layout) and the model's config; `model` rebuilds the trained model."""
+  training state (`step.init_state`'s layout) and the model's config; `model` rebuilds the trained model.
+  summary: this (re)start's {"start", "step", "steps", "loss" (the last step's training loss; None when no step
+  ran), "eval" (the last evaluation's eval_* metrics, with its "step"; None when none ran), "seconds",
+  "eval_seconds", "tokens_per_s" (over the steps, evaluations excluded), "checkpoint" (the newest one's path;
+  None when none was written)}; `describe` puts it in words."""
   metrics: dict
   state: dict
   model_config: models.ModelConfig
+  summary: dict = dataclasses.field(default_factory=dict)
 
   @property
   def model(self) -> models.LanguageModel:
@@ -143,7 +158,9 @@ def _data_shard(config, mesh) -> tuple[int, int, int]:
   return shards.index(mine), len(shards), sum(stop - start for start, stop in mine)
 
 
-def _rows_per_process(config, mesh) -> int:
+def rows_per_process(config, mesh) -> int:
+  """The rows of the global batch this process holds on `mesh`; ValueError unless batch_size divides over the
+  mesh's batch axes."""
   split = math.prod(mesh.shape[a] for a in mesh_lib.BATCH)
   if config.batch_size % split:
     raise ValueError(f"train config: `batch_size` ({config.batch_size}) must be a multiple of the mesh's "
@@ -166,13 +183,15 @@ def _throw_failed_checks(unread: list, keep: int = 0) -> None:
       raise ValueError(f"step {step}: {e}") from None
 
 
-def _global_batch(batch: dict, sharding, global_shape=None) -> dict:
+def global_batch(batch: dict, sharding, global_shape=None) -> dict:
   """The global batch from this process's rows (`_data_shard`); global_shape: [B, T] of every array (needed
   when an axis split across processes splits the positions)."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape) for k, v in batch.items()}
 
 
-def _shard_state(abstract, mesh):
+def shard_state(abstract, mesh):
+  """The training state's shardings on `mesh` (parameters and optimiser state by `mesh.param_shardings`, the step
+  and the key replicated) for a state shaped like `abstract`."""
   params_sh = mesh_lib.param_shardings(abstract["params"], mesh)
   replicated = NamedSharding(mesh, P())
   return {"step": replicated, "params": params_sh,
@@ -286,6 +305,79 @@ def _record_config(workdir: pathlib.Path, config, start: int) -> None:
   os.replace(part, workdir / CONFIG)
 
 
+def perplexity(loss: float) -> float:
+  """exp(loss), inf where that overflows."""
+  return math.exp(loss) if loss < 700 else math.inf
+
+
+def eval_batches(config, *, rows: int, shard: int = 0, shards: int = 1, data=None, count: int | None = None,
+                 vocab_size: int | None = None) -> list[tuple[dict, int]]:
+  """The held-out batches of a run of `config`: [(batch, segments bound)] of `count` (`config.eval_batches`) batches
+  of `rows` rows, this process's shard `shard` of `shards` (`_data_shard`), each with its `step.segments_bound` (the
+  largest of every process's). The same batches at every call: the validation split of the run's data (text:
+  the corpus's validation blocks; tokens: the prepared validation split), or of prepared token shards `data` (a
+  directory), shuffled with EVAL_SEED. random, mqar and passkey have no validation split: their held-out batches
+  are the same source drawn with seed EVAL_SEED (EVAL_SEED + 1 for a run whose seed is EVAL_SEED), other rows than
+  the training ones. ValueError when the split cannot be read or (`vocab_size`) its vocabulary differs."""
+  data_cfg = dict(config.data) if data is None else dict(source="tokens", path=str(data))
+  data_cfg.update(split="validation", prefetch=0)
+  seed = EVAL_SEED
+  if data_cfg.get("source", "text") not in ("text", "tokens") and config.seed == EVAL_SEED:
+    seed = EVAL_SEED + 1
+  count = config.get("eval_batches", 8) if count is None else count
+  try:
+    pipeline = data_lib.make_pipeline(data_cfg, seq_len=config.seq_len, batch_size=rows, seed=seed,
+                                      process_index=shard, process_count=shards)
+  except (ValueError, FileNotFoundError) as e:
+    where = "the run's data" if data is None else str(data)
+    raise ValueError(f"evaluation: cannot read the validation split of {where}: {e}") from None
+  try:
+    if vocab_size is not None and pipeline.vocab_size != vocab_size:
+      raise ValueError(f"evaluation: the validation data's vocabulary ({pipeline.vocab_size}) is not the model's "
+                       f"({vocab_size})")
+    batches = []
+    for _ in range(count):
+      batch = next(pipeline)
+      bound = segments_bound(batch["segment_ids"])
+      if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
+        bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
+      batches.append((batch, bound))
+  finally:
+    pipeline.close()
+  return batches
+
+
+def evaluate(eval_fn, params, batches, put=lambda batch: batch) -> dict:
+  """{"eval_loss": Σ −log p / scored tokens over all of `batches` (`eval_batches`), "eval_perplexity",
+  "eval_tokens"}; eval_fn: a jitted `step.make_eval_step`, put: a host batch → eval_fn's batch (the global one)."""
+  outs = [eval_fn(params, put(batch), bound) for batch, bound in batches]
+  total = count = 0.0
+  for t, n in jax.device_get(outs):
+    total, count = total + float(t), count + float(n)
+  loss = total / max(count, 1.0)
+  return {"eval_loss": loss, "eval_perplexity": perplexity(loss), "eval_tokens": count}
+
+
+def describe(summary: dict, workdir) -> str:
+  """A run's `TrainResult.summary` in two lines: its steps, final training loss, held-out loss, tokens/s; where
+  its checkpoints, metrics and events are."""
+  workdir = pathlib.Path(workdir)
+  s = summary
+  if s["step"] <= s["start"]:
+    head = f"train: nothing to run: {workdir} is at step {s['start']} of {s['steps']}"
+  else:
+    excluded = f", evaluations ({s['eval_seconds']:.1f} s) excluded" if s["eval_seconds"] else ""
+    head = (f"train: steps {s['start'] + 1}-{s['step']} of {s['steps']} in {s['seconds']:.1f} s "
+            f"({s['tokens_per_s']:,.0f} tokens/s{excluded}); final training loss {s['loss']:.4f}")
+    if s.get("eval"):
+      e = s["eval"]
+      head += (f"; held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:.4g} (step {e['step']}, "
+               f"{e['eval_tokens']:,.0f} tokens)")
+  checkpoint = s.get("checkpoint") or f"none in {workdir / 'checkpoints'}"
+  return (f"{head}\ncheckpoint: {checkpoint}; metrics: {workdir / 'metrics.jsonl'}; TensorBoard: "
+          f"{workdir / 'tensorboard'}")
+
+
 def train(config, workdir) -> dict:
   """Runs (or resumes) the run described by `config` in `workdir`; returns the last logged metrics."""
   return run(config, workdir).metrics
@@ -295,6 +387,11 @@ def load(workdir, *, step: int | None = None):
   """(model, config) of a work directory: its config.json (the latest (re)start's config) and its newest
   checkpoint that passes its checksums (or checkpoint `step`), on the default device. FileNotFoundError when the
   directory holds no run or no checkpoint. Reads only: a trainer may be running in the directory."""
+  return load_checkpoint(workdir, step=step)[:2]
+
+
+def load_checkpoint(workdir, *, step: int | None = None):
+  """`load`, with the step of the checkpoint it read: (model, config, step)."""
   workdir = pathlib.Path(workdir)
   config = _latest_config(workdir)
   if config is None:
@@ -319,14 +416,18 @@ def load(workdir, *, step: int | None = None):
   if restored is None:
     raise FileNotFoundError(f"train.load: no checkpoint{'' if step is None else f' {step}'} in "
                             f"{workdir / 'checkpoints'}")
-  return nnx.merge(graphdef(cfg), restored[1]["params"]), config
+  return nnx.merge(graphdef(cfg), restored[1]["params"]), config, restored[0]
 
 
 def run(config, workdir) -> TrainResult:
   """`train`, returning the final state and the model's config with the metrics (`TrainResult`)."""
   configs.validate(config)
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise NotADirectoryError(f"train: the work directory {workdir} is a file (or lies under one); name a directory"
+                             ) from None
   lock = _lock_workdir(workdir)
   try:
     return _run_holding(config, workdir)
@@ -339,18 +440,25 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
   """`run` in a work directory this run holds."""
   lead = jax.process_index() == 0
   mesh = mesh_lib.make_mesh(config.mesh)
-  rows = _rows_per_process(config, mesh)
+  rows = rows_per_process(config, mesh)
   shard, shards, _ = _data_shard(config, mesh)
   pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=rows, seed=config.seed,
                                     process_index=shard, process_count=shards)
   cfg = model_config(config, pipeline.vocab_size)
   mesh_lib.check_heads(cfg, mesh)
   mesh_lib.check_length(config.seq_len, mesh)
+  eval_every = config.get("eval_every", 0)
+  try:
+    held_out = eval_batches(config, rows=rows, shard=shard, shards=shards, vocab_size=cfg.vocab_size) \
+        if eval_every else []
+  except ValueError as e:
+    pipeline.close()
+    raise ValueError(f"train: {e}; `eval_every` = 0 trains without evaluation") from None
   tx = optim.make(config.optimizer, config.steps)
   schedule = optim.schedule(config.optimizer, config.steps)
 
   abstract = jax.eval_shape(lambda: init_state(cfg, tx, config.seed))
-  state_sh = _shard_state(abstract, mesh)
+  state_sh = shard_state(abstract, mesh)
   ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=config.keep_checkpoints,
                      async_save=config.async_checkpoint)
   try:
@@ -380,6 +488,11 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
                     out_shardings=(NamedSharding(mesh, P()), (state_sh, None)), donate_argnums=0,
                     static_argnums=2)
   diag_fn = jax.jit(lambda params, tokens: nnx.merge(graph, params).diagnostics(tokens))
+  eval_fn = jax.jit(make_eval_step(graph, grad_accum=config.grad_accum, loss_chunk=config.loss_chunk,
+                                   loss_positions=config.get("loss_positions", 0)),
+                    in_shardings=(state_sh["params"], batch_sh), out_shardings=NamedSharding(mesh, P()),
+                    static_argnums=2)
+  put = lambda host: global_batch(host, batch_sh, (config.batch_size, config.seq_len))
   if lead:
     logging.info("model %s: %s parameters; mesh %s; %d × %d tokens per step", config.model,
                  f"{models.count_params(cfg):,}", dict(mesh.shape), config.batch_size, config.seq_len)
@@ -388,6 +501,7 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
   progress = Progress(total=config.steps, initial=start, enabled=lead and config.progress)
   tokens_per_step = config.batch_size * config.seq_len
   last, t0, since = {}, time.perf_counter(), 0
+  began, eval_seconds, evaluated, metrics = t0, 0.0, None, None
   unread = []        # [(step, checkify.Error)] of the steps whose checks are not read yet
   try:
     for step in range(start + 1, config.steps + 1):
@@ -398,7 +512,7 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
       bound = segments_bound(host["segment_ids"])
       if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
         bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
-      batch = _global_batch(host, batch_sh, (config.batch_size, config.seq_len))
+      batch = global_batch(host, batch_sh, (config.batch_size, config.seq_len))
       with jax.set_mesh(mesh):
         error, (state, metrics) = step_fn(state, batch, bound)
       unread.append((step, error))
@@ -411,6 +525,7 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
         values = jax.device_get(metrics)
         _throw_failed_checks(unread)
         _check_finite(step, values, last_good)
+      row = {}
       if log:
         elapsed = time.perf_counter() - t0
         row = {"loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
@@ -421,9 +536,21 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
           with jax.set_mesh(mesh):
             diag = jax.device_get(diag_fn(state["params"], batch["tokens"][:min(rows, 4)]))
           row.update({k: list(v) for k, v in diag.items()})
+      if eval_every and (step % eval_every == 0 or step == config.steps):
+        t = time.perf_counter()
+        with jax.set_mesh(mesh):
+          row.update(evaluate(eval_fn, state["params"], held_out, put))
+        evaluated = {"step": step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
+        took = time.perf_counter() - t
+        eval_seconds += took
+        if not log:
+          t0 += took     # the throughput window leaves the evaluation out
+      if row:
         writer.write(step, row)
         last = {"step": step, **row}
-        progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+      if log:
+        postfix = {"eval": f"{row['eval_loss']:.4f}"} if "eval_loss" in row else {}
+        progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **postfix)
         t0, since = time.perf_counter(), 0
       if save:
         ckpt.save(step, state, pipeline.get_state())
@@ -435,4 +562,10 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
     writer.close()
     ckpt.close()
     pipeline.close()
-  return TrainResult(metrics=last, state=state, model_config=cfg)
+  end = max(start, config.steps)
+  seconds = time.perf_counter() - began
+  summary = {"start": start, "step": end, "steps": config.steps, "eval": evaluated, "seconds": seconds,
+             "eval_seconds": eval_seconds, "checkpoint": last_good[1] if last_good else None,
+             "loss": None if metrics is None else float(jax.device_get(metrics["loss"])),
+             "tokens_per_s": (end - start) * tokens_per_step / max(seconds - eval_seconds, 1e-9)}
+  return TrainResult(metrics=last, state=state, model_config=cfg, summary=summary)

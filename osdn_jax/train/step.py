@@ -1,5 +1,5 @@
 """The training state and one optimiser step (forward, backward, optional gradient accumulation, update), and
-the step with its batch checked on the device (`checked_train_step`).
+the step with its batch checked on the device (`checked_train_step`), and the held-out loss (`make_eval_step`).
 
 state = {"step": int32 (completed steps), "params": the model's parameters (nested dict, fp32),
          "opt_state": the optimiser's, "rng": uint32 [2] (the run's key data, for stochastic layers)}
@@ -109,6 +109,27 @@ def make_train_step(graph, tx: optax.GradientTransformation, *, grad_accum: int 
     return new, metrics
 
   return step
+
+
+def make_eval_step(graph, *, grad_accum: int = 1, loss_chunk: int = 2048, loss_positions: int = 0):
+  """evaluate(params, batch, segments_per_row=None) → (Σ −log p over the scored tokens, scored tokens), both fp32
+  scalars: the train step's loss (`loss_sum`, the same scored positions) without a gradient, over the same
+  grad_accum microbatches (so an evaluation needs no more memory than a step). segments_per_row: static."""
+  def evaluate(params, batch, segments_per_row=None):
+    mask = batch["loss_mask"]
+    if loss_positions:
+      mask = jnp.take_along_axis(mask, scored_positions(mask, loss_positions), axis=1)
+    fn = lambda b: loss_sum(graph, params, b, loss_chunk=loss_chunk, segments_per_row=segments_per_row,
+                            loss_positions=loss_positions)
+    if grad_accum == 1:
+      total = fn(batch)
+    else:
+      split = lambda x: jnp.moveaxis(x.reshape((x.shape[0] // grad_accum, grad_accum) + x.shape[1:]), 1, 0)
+      total, _ = jax.lax.scan(lambda t, mb: (t + fn(mb), None), jnp.zeros((), jnp.float32),
+                              jax.tree.map(split, batch))
+    return total, jnp.sum(mask.astype(jnp.float32))
+
+  return evaluate
 
 
 def batch_checks(batch, vocab_size: int) -> None:
