@@ -270,3 +270,16 @@ def test_the_lock_ends_with_its_holder(tmp_path):
 def test_only_process_0_takes_the_lock(tmp_path, monkeypatch):
   monkeypatch.setattr(loop.jax, "process_index", lambda: 1)
   assert loop._lock_workdir(tmp_path) is None and not (tmp_path / loop.LOCK).exists()
+
+
+# -- a non-finite state is never saved -----------------------------------------------------------------------
+def test_a_non_finite_state_is_not_saved(tmp_path):
+  """A learning rate that is finite as a Python float but infinite in fp32 (1e39) passes validation; the first
+  update makes the parameters non-finite while the step's own loss and gradient norm are finite. The guard
+  checks the state before the save: the run stops naming a parameter, and no checkpoint is written."""
+  config = _tiny(steps=2, checkpoint_every=1, **{"optimizer.lr": 1e39, "optimizer.warmup_steps": 0})
+  with pytest.raises(loop.NonFiniteError, match=r"step 1: the state's `\['params'\].*non-finite values, so it is "
+                                                r"not saved; the last good checkpoint is none"):
+    loop.train(config, tmp_path / "run")
+  steps = tmp_path / "run" / "checkpoints"
+  assert not steps.exists() or not [p for p in steps.iterdir() if p.name.isdigit()]

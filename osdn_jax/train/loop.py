@@ -208,6 +208,22 @@ def _check_finite(step: int, values: dict, last_good) -> None:
                            f"{where}")
 
 
+@jax.jit
+def _finite_leaves(state):
+  return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True, state)
+
+
+def check_state_finite(step: int, state, last_good) -> None:
+  """NonFiniteError naming the first parameter or optimiser entry of `state` that holds a NaN or ±Inf, before it
+  is saved: a checkpoint only ever holds a finite state."""
+  flags = jax.device_get(_finite_leaves(state))
+  for path, ok in jax.tree_util.tree_leaves_with_path(flags):
+    if not bool(ok):
+      where = f"checkpoint {last_good[0]} ({last_good[1]})" if last_good else "none (no checkpoint was written)"
+      raise NonFiniteError(f"training stopped at step {step}: the state's `{jax.tree_util.keystr(path)}` holds "
+                           f"non-finite values, so it is not saved; the last good checkpoint is {where}")
+
+
 def _peak_memory_gb():
   stats = jax.local_devices()[0].memory_stats() or {}
   return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
@@ -553,6 +569,7 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
         progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **postfix)
         t0, since = time.perf_counter(), 0
       if save:
+        check_state_finite(step, state, last_good)
         ckpt.save(step, state, pipeline.get_state())
         last_good = (step, str(workdir / "checkpoints" / str(step)))
     _throw_failed_checks(unread)
