@@ -259,3 +259,14 @@ def random_point_inputs(point, dims, seed: int, *, B=2, T=45, dtype=jnp.float32)
   v = f(B, T, dims.value_heads, dims.value_dim)
   params = point.init_params(jax.random.key(seed), dims)
   return q, k, v, features, params
+
+
+def override(config, changes: dict):
+  """`config` (a nested mapping, e.g. a train ConfigDict) with each "a.b.c" field of `changes` set; returns it."""
+  for key, value in changes.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config

@@ -18,6 +18,7 @@ from flax import nnx
 from osdn_jax import data
 from osdn_jax import eval as eval_cli
 from osdn_jax.data import prepare
+from osdn_jax.testing import override
 from osdn_jax.train import configs, loop
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -40,13 +41,7 @@ def _tiny(**changes):
   c.progress, c.async_checkpoint, c.diagnostics_every = False, False, 0
   c.steps, c.log_every, c.checkpoint_every, c.eval_every, c.eval_batches = 6, 3, 2, 2, 2
   c.batch_size, c.seq_len, c.optimizer.warmup_steps = 4, 32, 1
-  for key, value in changes.items():
-    *parents, leaf = key.split(".")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return override(c, changes)
 
 
 def _metrics(workdir):

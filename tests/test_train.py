@@ -23,7 +23,7 @@ from osdn_jax.models.config import REMAT_POLICIES
 from osdn_jax.train import __main__ as cli
 from osdn_jax.train import configs, loop, mesh as mesh_lib, optim
 from osdn_jax.train.loss import cross_entropy, plain_cross_entropy
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import override, rel_rms
 from osdn_jax.train.step import graphdef, loss_sum, segments_bound
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -36,13 +36,7 @@ def _tiny(**changes) -> ml_collections.ConfigDict:
   c.data.source = "random"
   c.progress = False
   c.async_checkpoint = False
-  for key, value in changes.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return override(c, changes)
 
 
 def _metrics(workdir):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from osdn_jax.testing import override
 from osdn_jax.train import checkpoints, configs, loop, optim
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -31,13 +32,7 @@ def _tiny(**changes):
   c.async_checkpoint = False
   c.steps, c.checkpoint_every, c.log_every, c.diagnostics_every = 4, 2, 1, 0
   c.batch_size, c.seq_len, c.optimizer.warmup_steps = 2, 16, 1
-  for key, value in changes.items():
-    *parents, leaf = key.split(".")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return override(c, changes)
 
 
 def _metrics(workdir):
