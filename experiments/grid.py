@@ -154,7 +154,10 @@ def _unstack(tree, i):
 class Group:
   """The cells of one (variant, L, kv) at one protocol, trained side by side (module docstring)."""
 
-  def __init__(self, protocol: Protocol, cells: list[Cell], *, chunk_steps: int = 250, workers: int = 0):
+  def __init__(self, protocol: Protocol, cells: list[Cell], *, chunk_steps: int = 250, workers: int = 0,
+               optimizer=None):
+    """optimizer: lr → optax transformation whose state's structure does not depend on lr (default: the trainer's,
+    `optim.make_at` of the cell config's optimizer); a check trains the cells with another one."""
     first = cells[0]
     assert all((c.variant, c.length, c.kv) == (first.variant, first.length, first.kv) for c in cells)
     self.protocol, self.cells = protocol, cells
@@ -164,7 +167,7 @@ class Group:
     self.graph = graphdef(self.model_cfg)
     self.chunk_steps = math.gcd(chunk_steps, protocol.eval_every, protocol.steps)
     opt, steps = self.config.optimizer, protocol.steps
-    make = lambda lr: optim.make_at(opt, steps, lr)
+    make = self.make_optimizer = optimizer or (lambda lr: optim.make_at(opt, steps, lr))
     positions = self.config.loss_positions
     graph = self.graph
 
@@ -213,19 +216,36 @@ class Group:
       correct, total = correct + np.asarray(c), total + np.asarray(t)
     return correct / np.maximum(total, 1)
 
+  def start(self):
+    """What training starts from: (stacked initial states, training tokens and labels [cells, rows, L] on the
+    device, the rows of every step int32 [steps, cells, batch], the learning rates [cells])."""
+    p, cells = self.protocol, self.cells
+    tx = self.make_optimizer(1.0)
+    states = jax.jit(lambda: _stack([init_state(self.model_cfg, tx, c.seed) for c in cells]))()
+    put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
+    tokens = put([self.data[c.seed][0][0] for c in cells])
+    labels = put([self.data[c.seed][0][1] for c in cells])
+    orders = np.stack([epoch_order(c.seed, p.train_examples, p.steps, p.batch_size) for c in cells], axis=1)
+    return states, tokens, labels, orders, jnp.asarray([c.lr for c in cells], jnp.float32)
+
+  def losses(self, steps: int) -> np.ndarray:
+    """The training loss of each of the first `steps` steps (a multiple of chunk_steps) of every cell, float32
+    [steps, cells], from fresh states (no checkpoint, no evaluation)."""
+    states, tokens, labels, orders, lrs = self.start()
+    out = []
+    for step in range(0, steps, self.chunk_steps):
+      states, loss = self._chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
+      out.append(np.asarray(loss))
+    return np.concatenate(out)
+
   def run(self, log=print, partial: pathlib.Path | None = None) -> list[dict]:
     """Trains the cells; returns one result dict per cell. partial: a file prefix where the group's state is saved
     at every point of the learning curve and resumed from when it is there (a stopped run loses at most
     eval_every steps)."""
     p, cells = self.protocol, self.cells
-    tx = optim.make_at(self.config.optimizer, p.steps, 1.0)
-    states = jax.jit(lambda: _stack([init_state(self.model_cfg, tx, c.seed) for c in cells]))()
+    states, tokens, labels, orders, lrs = self.start()
     put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
-    tokens = put([self.data[c.seed][0][0] for c in cells])
-    labels = put([self.data[c.seed][0][1] for c in cells])
     tests = (put([self.data[c.seed][1][0] for c in cells]), put([self.data[c.seed][1][1] for c in cells]))
-    orders = np.stack([epoch_order(c.seed, p.train_examples, p.steps, p.batch_size) for c in cells], axis=1)
-    lrs = jnp.asarray([c.lr for c in cells], jnp.float32)
     curves = [[] for _ in cells]
     losses, step, times = [], 0, []
     if partial is not None and (saved := _load_partial(partial, states)) is not None:

@@ -7,6 +7,13 @@ parameter, a 10 % linear warm-up then cosine to 0, no clipping) on the full logi
 positions. Accuracy is measured on test rows drawn with another seed, as the experiments draw them.
 
   python -m experiments.mqar_oracle --variant=dn --length=256 --kv=64 --lr=3e-3 --steps=1500
+
+`--follow=N` checks the grid's training path step by step instead: the first N steps of a grid cell (its rows in
+its order, `experiments.grid`) run through the grid's vmapped trainer step and through this loop's step, with one
+optimiser in both (`--optimizer=oracle`: this loop's AdamW; `trainer`: the trainer's config), and the two losses are
+compared step by step. Two paths that compute the same thing agree to rounding until chaos amplifies it.
+
+  python -m experiments.mqar_oracle --variant=dn --length=256 --kv=64 --lr=3e-3 --steps=1500 --follow=300
 """
 from __future__ import annotations
 
@@ -29,30 +36,46 @@ def rows(source: MQARSource, indices) -> tuple[np.ndarray, np.ndarray]:
   return np.stack([r["inputs"] for r in records]), np.stack([r["labels"] for r in records])
 
 
+def optimizer(lr, steps: int) -> optax.GradientTransformation:
+  """AdamW with weight decay 0.1 on every parameter, a 10 % linear warm-up from 0, then cosine to 0."""
+  return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, 0.0), weight_decay=0.1)
+
+
+def loss(graph, params, x, y):
+  """Mean cross-entropy of the full logits at the labelled positions of tokens x [B, L] (labels y, IGNORE
+  elsewhere)."""
+  logits = nnx.merge(graph, params)(x)
+  scored = y != IGNORE
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, jnp.where(scored, y, 0)[..., None], -1)[..., 0]
+  return jnp.sum(nll * scored) / jnp.sum(scored)
+
+
+def make_step(graph, tx):
+  """(params, opt_state, x, y) → (params, opt_state, loss), jitted."""
+  @jax.jit
+  def step(params, opt_state, x, y):
+    value, grads = jax.value_and_grad(lambda p: loss(graph, p, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  return step
+
+
+def build(variant, vocab_size, size, implementation, dtype, seed):
+  model = models.build(f"{variant}-{size}", vocab_size=vocab_size, implementation=implementation,
+                       dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+  return nnx.split(model, nnx.Param)
+
+
 def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3, steps: int = 1500,
           batch_size: int = 64, seed: int = 0, vocab_size: int = 8192, size: str = "mqar",
           train_examples: int = 100_000, test_examples: int = 1000, implementation: str = "auto",
           dtype: str = "float32", evals: int = 5, log=print) -> dict:
   """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "steps_per_s"}."""
-  model = models.build(f"{variant}-{size}", vocab_size=vocab_size, implementation=implementation,
-                       dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
-  graph, params = nnx.split(model, nnx.Param)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, 0.0)
-  tx = optax.adamw(schedule, weight_decay=0.1)
+  graph, params = build(variant, vocab_size, size, implementation, dtype, seed)
+  tx = optimizer(lr, steps)
   opt_state = tx.init(params)
-
-  def loss_fn(params, x, y):
-    logits = nnx.merge(graph, params)(x)
-    scored = y != IGNORE
-    logp = jax.nn.log_softmax(logits)
-    nll = -jnp.take_along_axis(logp, jnp.where(scored, y, 0)[..., None], -1)[..., 0]
-    return jnp.sum(nll * scored) / jnp.sum(scored)
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  step = make_step(graph, tx)
 
   @jax.jit
   def correct(params, x, y):
@@ -77,11 +100,39 @@ def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3
   every = max(1, steps // evals)
   for s in range(1, steps + 1):
     x, y = rows(train_rows, rng.integers(0, train_examples, batch_size))
-    params, opt_state, loss = step(params, opt_state, x, y)
+    params, opt_state, value = step(params, opt_state, x, y)
     if s % every == 0 or s == steps:
-      curve.append((s, float(loss), accuracy(params)))
+      curve.append((s, float(value), accuracy(params)))
       log(f"step {s}: loss {curve[-1][1]:.3f}, accuracy {100 * curve[-1][2]:.1f}%")
   return dict(accuracy=curve[-1][2], curve=curve, steps_per_s=steps / (time.perf_counter() - start))
+
+
+def follow(protocol, cell, steps: int, optimizer_name: str = "oracle", workers: int = 0) -> dict:
+  """The first `steps` losses of a grid cell (`experiments.grid.Cell` at `grid.Protocol` protocol) through the grid's
+  vmapped trainer step and through `make_step`, on the same rows in the same order, with one optimiser in both
+  ("oracle": `optimizer`; "trainer": the trainer config's). Returns {"grid", "oracle": [steps] losses,
+  "max_rel_diff" over the first 10, 100 and all steps}."""
+  from experiments import grid
+  if optimizer_name not in ("oracle", "trainer"):
+    raise ValueError(f"follow: `optimizer_name` must be 'oracle' or 'trainer', got {optimizer_name!r}")
+  unit = optimizer(1.0, protocol.steps)   # AdamW's update is linear in its learning rate
+  make = (lambda lr: optax.chain(unit, optax.scale(lr))) if optimizer_name == "oracle" else None
+  group = grid.Group(protocol, [cell], chunk_steps=steps, workers=workers, optimizer=make)
+  tx = group.make_optimizer(cell.lr) if make is None else optimizer(cell.lr, protocol.steps)
+  on_grid = group.losses(steps)[:, 0]
+  graph, params = build(cell.variant, protocol.vocab_size, protocol.size, protocol.implementation, protocol.dtype,
+                        cell.seed)
+  step, opt_state = make_step(graph, tx), tx.init(params)
+  inputs, labels = group.data[cell.seed][0]
+  order = grid.epoch_order(cell.seed, protocol.train_examples, protocol.steps, protocol.batch_size)
+  plain = []
+  for s in range(steps):
+    params, opt_state, value = step(params, opt_state, inputs[order[s]], labels[order[s]])
+    plain.append(float(value))
+  plain = np.asarray(plain)
+  rel = np.abs(on_grid - plain) / np.maximum(np.abs(plain), 1e-30)
+  return dict(grid=on_grid.tolist(), oracle=plain.tolist(),
+              max_rel_diff={str(n): float(rel[:n].max()) for n in (10, 100, steps) if n <= steps})
 
 
 def define_flags():
@@ -90,7 +141,7 @@ def define_flags():
   flags.DEFINE_integer("length", 256, "row length L")
   flags.DEFINE_integer("kv", 64, "key-value pairs")
   flags.DEFINE_float("lr", 3e-3, "peak learning rate")
-  flags.DEFINE_integer("steps", 1500, "optimiser steps")
+  flags.DEFINE_integer("steps", 1500, "optimiser steps (with --follow: the schedule's length)")
   flags.DEFINE_integer("batch_size", 64, "rows per step")
   flags.DEFINE_integer("seed", 0, "initialisation and data seed")
   flags.DEFINE_integer("vocab_size", 8192, "vocabulary")
@@ -99,11 +150,25 @@ def define_flags():
   flags.DEFINE_integer("test_examples", 1000, "test rows")
   flags.DEFINE_string("implementation", "auto", "auto | xla | pallas | reference")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
+  flags.DEFINE_integer("follow", 0, "> 0: compare this many steps of the grid's path with this loop's (docstring)")
+  flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"], "with --follow: the optimiser of both paths")
+  flags.DEFINE_integer("workers", 0, "with --follow: processes drawing the grid's training rows")
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
+  if f.follow:
+    from experiments import grid
+    protocol = grid.Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
+                             train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
+                             implementation=f.implementation, eval_every=f.steps)
+    result = follow(protocol, grid.Cell(f.variant, f.length, f.kv, f.lr, f.seed), f.follow, f.optimizer,
+                    workers=f.workers)
+    at = [n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow]
+    print(json.dumps(dict(steps=at, grid=[result["grid"][n - 1] for n in at],
+                          oracle=[result["oracle"][n - 1] for n in at], max_rel_diff=result["max_rel_diff"])))
+    return
   result = train(f.variant, f.length, f.kv, f.lr, f.steps, f.batch_size, f.seed,
                  f.vocab_size, f.size, f.train_examples, f.test_examples, implementation=f.implementation,
                  dtype=f.dtype)

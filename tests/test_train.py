@@ -102,6 +102,13 @@ def test_weight_decay_mask(variant):
   assert any(k.endswith("center") for k in point) if variant == "pgdn" else biases
 
 
+def test_weight_decay_mask_reads_an_nnx_state():
+  """`nnx.split`'s State (leaves under each variable's `value`) gets the same mask as the pure dict."""
+  graph, state = nnx.split(models.build("pgdn-tiny"), nnx.Param)
+  pure = jax.tree.leaves(optim.decay_mask(nnx.state(nnx.merge(graph, state), nnx.Param).to_pure_dict()))
+  assert jax.tree.leaves(optim.decay_mask(state)) == pure and 0 < sum(pure) < len(pure)
+
+
 def test_schedule_warms_up_then_decays_to_a_tenth():
   opt = _tiny().optimizer
   s = optim.schedule(opt, 100)

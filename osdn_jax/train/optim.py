@@ -24,8 +24,11 @@ def schedule(opt, steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """A pytree of bools like params (a nested dict of arrays): True where weight decay applies."""
+  """A pytree of bools like params (a nested dict of arrays, or the `nnx.State` of `nnx.split`, whose leaves sit
+  under each variable's `value`): True where weight decay applies."""
   def decayed(path, _):
+    while len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey):   # a variable's `value`
+      path = path[:-1]
     names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
     return names[-1] in _DECAYED and "point_params" not in names
   return jax.tree_util.tree_map_with_path(decayed, params)
