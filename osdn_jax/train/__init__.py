@@ -5,7 +5,8 @@
     python -m osdn_jax.train --config=mqar --config.model=pdn-mqar --workdir=runs/mqar    # zoology's MQAR
 """
 from osdn_jax.train.configs import get_config, validate
-from osdn_jax.train.loop import NonFiniteError, TrainResult, WorkdirLockedError, load, load_checkpoint, run, train
+from osdn_jax.train.loop import (NonFiniteError, TrainResult, TrainSetup, WorkdirLockedError, load, load_checkpoint,
+                                 run, setup, train, train_loop)
 
-__all__ = ["NonFiniteError", "TrainResult", "WorkdirLockedError", "get_config", "load", "load_checkpoint", "run",
-           "train", "validate"]
+__all__ = ["NonFiniteError", "TrainResult", "TrainSetup", "WorkdirLockedError", "get_config", "load", "load_checkpoint",
+           "run", "setup", "train", "train_loop", "validate"]

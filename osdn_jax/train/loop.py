@@ -21,6 +21,7 @@ parameters only: the training steps are the same with it and without it.
 
     metrics = osdn_jax.train.train(configs.get_config("tiny"), "/tmp/run")   # the last logged metrics
     result = osdn_jax.train.run(config, workdir)      # also the trained model (result.model)
+    result = train_loop(config, setup(config, workdir))   # `run` in its two parts (hold the work directory's lock)
     model, config = osdn_jax.train.load("/tmp/run")   # the newest checkpoint of a work directory
 """
 from __future__ import annotations
@@ -453,7 +454,42 @@ def run(config, workdir) -> TrainResult:
 
 
 def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
-  """`run` in a work directory this run holds."""
+  """`run` in a work directory this run holds: `setup`, then `train_loop`."""
+  return train_loop(config, setup(config, workdir))
+
+
+@dataclasses.dataclass
+class TrainSetup:
+  """Everything the loop steps with, built by `setup`: the mesh, the rows per process, the data pipeline (at the
+  restored position), the model's config, the held-out batches, the state (restored or fresh) and the step it is
+  at, the newest good checkpoint ((step, path) or None), the checkpoint manager, the jitted train, eval and
+  diagnostics functions and the host → device batch placement."""
+  workdir: pathlib.Path
+  mesh: object
+  rows: int
+  pipeline: object
+  model_config: models.ModelConfig
+  held_out: list
+  state: dict
+  start: int
+  last_good: tuple | None
+  ckpt: Checkpoints
+  batch_sharding: object
+  step_fn: object
+  eval_fn: object
+  diag_fn: object
+
+  def put(self, host: dict, config) -> dict:
+    return global_batch(host, self.batch_sharding, (config.batch_size, config.seq_len))
+
+  def close(self) -> None:
+    self.ckpt.close()
+    self.pipeline.close()
+
+
+def setup(config, workdir: pathlib.Path) -> TrainSetup:
+  """Builds the run's mesh, data, model, optimiser and step functions, and restores the newest good checkpoint of
+  `workdir` (refusing a resume that changes a field outside `RESUMABLE`); process 0 records the config."""
   lead = jax.process_index() == 0
   mesh = mesh_lib.make_mesh(config.mesh)
   rows = rows_per_process(config, mesh)
@@ -463,10 +499,9 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
   cfg = model_config(config, pipeline.vocab_size)
   mesh_lib.check_heads(cfg, mesh)
   mesh_lib.check_length(config.seq_len, mesh)
-  eval_every = config.get("eval_every", 0)
   try:
     held_out = eval_batches(config, rows=rows, shard=shard, shards=shards, vocab_size=cfg.vocab_size) \
-        if eval_every else []
+        if config.get("eval_every", 0) else []
   except ValueError as e:
     pipeline.close()
     raise ValueError(f"train: {e}; `eval_every` = 0 trains without evaluation") from None
@@ -508,11 +543,23 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
                                    loss_positions=config.get("loss_positions", 0)),
                     in_shardings=(state_sh["params"], batch_sh), out_shardings=NamedSharding(mesh, P()),
                     static_argnums=2)
-  put = lambda host: global_batch(host, batch_sh, (config.batch_size, config.seq_len))
   if lead:
     logging.info("model %s: %s parameters; mesh %s; %d × %d tokens per step", config.model,
                  f"{models.count_params(cfg):,}", dict(mesh.shape), config.batch_size, config.seq_len)
+  return TrainSetup(workdir=workdir, mesh=mesh, rows=rows, pipeline=pipeline, model_config=cfg, held_out=held_out,
+                    state=state, start=start, last_good=last_good, ckpt=ckpt, batch_sharding=batch_sh,
+                    step_fn=step_fn, eval_fn=eval_fn, diag_fn=diag_fn)
 
+
+def train_loop(config, run: TrainSetup) -> TrainResult:
+  """Steps from `run.start` to `config.steps`: logs, evaluates and checkpoints at their cadences, stops on a failed
+  check or a non-finite loss, gradient norm or state; closes the pipeline and the checkpoints at the end."""
+  lead = jax.process_index() == 0
+  workdir, mesh, pipeline, ckpt = run.workdir, run.mesh, run.pipeline, run.ckpt
+  state, start, last_good, cfg = run.state, run.start, run.last_good, run.model_config
+  run.state = None     # donated to the first step
+  eval_every = config.get("eval_every", 0)
+  put = lambda host: run.put(host, config)
   writer = Writer(workdir, enabled=lead, resume_step=start)
   progress = Progress(total=config.steps, initial=start, enabled=lead and config.progress)
   tokens_per_step = config.batch_size * config.seq_len
@@ -528,9 +575,9 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
       bound = segments_bound(host["segment_ids"])
       if jax.process_count() > 1:   # one program everywhere: the largest bound of all processes
         bound = int(np.max(multihost_utils.process_allgather(np.asarray(bound))))
-      batch = global_batch(host, batch_sh, (config.batch_size, config.seq_len))
+      batch = put(host)
       with jax.set_mesh(mesh):
-        error, (state, metrics) = step_fn(state, batch, bound)
+        error, (state, metrics) = run.step_fn(state, batch, bound)
       unread.append((step, error))
       _throw_failed_checks(unread, keep=MAX_UNREAD_CHECKS)
       since += 1
@@ -550,12 +597,12 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
           row["peak_memory_gb"] = peak
         if diagnose:
           with jax.set_mesh(mesh):
-            diag = jax.device_get(diag_fn(state["params"], batch["tokens"][:min(rows, 4)]))
+            diag = jax.device_get(run.diag_fn(state["params"], batch["tokens"][:min(run.rows, 4)]))
           row.update({k: list(v) for k, v in diag.items()})
       if eval_every and (step % eval_every == 0 or step == config.steps):
         t = time.perf_counter()
         with jax.set_mesh(mesh):
-          row.update(evaluate(eval_fn, state["params"], held_out, put))
+          row.update(evaluate(run.eval_fn, state["params"], run.held_out, put))
         evaluated = {"step": step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
         took = time.perf_counter() - t
         eval_seconds += took
