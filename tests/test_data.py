@@ -1,6 +1,6 @@
 """The input pipeline (`osdn_jax.data`): batch layout, packing against the source's records, determinism,
-checkpoint round trips with and without prefetch, process shards, text splits, recall rows (MQAR, passkey),
-tokenizers, config errors.
+checkpoint round trips with and without prefetch, the same global batches on any number of processes (and
+positions that resume on another number), text splits, recall rows (MQAR, passkey), tokenizers, config errors.
 
 Tests of the text source need the corpus at its default place (`make data`, which `make install` runs) and skip
 without it."""
@@ -167,29 +167,144 @@ def test_state_round_trip(cfg, prefetch):
 
 
 def test_state_of_another_pipeline_is_refused():
-  state = data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0).get_state()
-  other = data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0, process_index=1, process_count=2)
-  with pytest.raises(ValueError, match="process_count"):
-    other.set_state(state)
-
-
-def test_process_shards_are_disjoint_and_cover_the_records():
-  """Two processes, one epoch each (8 of 16 records): disjoint rows that together are every record."""
-  cfg = dict(RANDOM, num_records=16)
-  seen = []
+  """set_state refuses the state of another global batch (or seed); a state of any process fits any process."""
+  pipe = data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0)
+  state = pipe.get_state()
+  for kw, field in ((dict(batch_size=2 * B), "batch_size"), (dict(seed=1), "seed")):
+    other = data.make_pipeline(RANDOM, **dict(dict(seq_len=T, batch_size=B, seed=0), **kw))
+    with pytest.raises(ValueError, match=field):
+      other.set_state(state)
+    other.close()
   for index in range(2):
-    batches = _batches(cfg, 2, process_index=index, process_count=2)
-    seen.append({tuple(np.append(b["tokens"][r], b["targets"][r, -1])) for b in batches for r in range(B)})
-    assert len(seen[-1]) == 8
-  assert not seen[0] & seen[1]
+    second = data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0, process_index=index, process_count=2)
+    assert "process_index" not in second.signature and "process_count" not in second.signature
+    assert second.signature == pipe.signature and second.get_state() == state
+    second.set_state(state)
+    second.close()
+  pipe.close()
+  with pytest.raises(ValueError, match="version"):
+    data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0).set_state(dict(state, version=1))
+
+
+@pytest.fixture(scope="module")
+def prepared_tokens(tmp_path_factory):
+  """A directory of prepared byte tokens (`python -m osdn_jax.data.prepare`) of 30 short documents."""
+  from osdn_jax.data import prepare
+  corpus = tmp_path_factory.mktemp("docs")
+  rng = np.random.default_rng(0)
+  for i in range(30):
+    words = rng.choice(["to", "be", "or", "not", "that", "is", "the", "question"], size=int(rng.integers(5, 40)))
+    (corpus / f"{i:02d}.txt").write_text(f"{i} " + " ".join(words))
+  out = tmp_path_factory.mktemp("prepared") / "bytes"
+  prepare.prepare([str(corpus / "*.txt")], "bytes", out, validation=0.0, workers=1, progress=False, verbose=False)
+  return dict(source="tokens", path=str(out), prefetch=0)
+
+
+def _source_cfg(request, cfg):
+  return request.getfixturevalue("prepared_tokens") if cfg == "tokens" else cfg
+
+
+# Every source (the prepared tokens by name: a fixture builds them), for the tests of the global batch.
+GLOBAL_CFGS = [*SOURCE_CFGS, "tokens"]
+
+
+@pytest.mark.parametrize("cfg", GLOBAL_CFGS, ids=lambda c: c if isinstance(c, str) else c["source"])
+def test_the_processes_batches_side_by_side_are_the_global_batch(cfg, request):
+  """Process p of P reads rows [p·r, (p + 1)·r) of every global batch: the P processes' batches, concatenated,
+  are the 1-process batches (P = 2, 4), and every process holds the same state (which names no process)."""
+  cfg = _source_cfg(request, cfg)
+  t = _seq_len(cfg)
+  global_batch, steps = 8, 3
+
+  def run(index, count):
+    pipe = data.make_pipeline(cfg, seq_len=t, batch_size=global_batch, seed=2, process_index=index,
+                              process_count=count)
+    out = [next(pipe) for _ in range(steps)]
+    state = pipe.get_state()
+    pipe.close()
+    return out, state
+
+  whole, state = run(0, 1)
+  assert state["batches"] == steps
+  for count in (2, 4):
+    parts = [run(index, count) for index in range(count)]
+    for batches, part_state in parts:
+      assert all(b["tokens"].shape == (global_batch // count, t) for b in batches)
+      assert part_state == state
+    joined = [{k: np.concatenate([batches[s][k] for batches, _ in parts]) for k in whole[s]} for s in range(steps)]
+    assert _same(joined, whole)
+
+
+@pytest.mark.parametrize("cfg", [RANDOM, pytest.param(TEXT, marks=needs_corpus)], ids=lambda c: c["source"])
+def test_rows_picks_those_rows_of_the_global_batch(cfg):
+  """`rows` (any rows, in any order) gives exactly those rows of every global batch."""
+  rows = [5, 0, 2]
+  whole = _batches(cfg, 3, batch_size=6)
+  picked = _batches(cfg, 3, batch_size=6, rows=rows)
+  assert _same(picked, [{k: b[k][rows] for k in b} for b in whole])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("cfg", GLOBAL_CFGS, ids=lambda c: c if isinstance(c, str) else c["source"])
+def test_a_position_saved_on_two_processes_resumes_on_one_and_back(cfg, prefetch, request):
+  """A state saved after k global batches by a process of 2 resumes a 1-process pipeline at global batch k + 1
+  (and a 1-process state resumes each of 2 processes at its rows of global batch k + 1)."""
+  cfg = _source_cfg(request, cfg)
+  t = _seq_len(cfg)
+  cfg = dict(cfg, prefetch=prefetch)
+  make = lambda **kw: data.make_pipeline(cfg, seq_len=t, batch_size=4, seed=5, **kw)
+  whole = make()
+  expected = [next(whole) for _ in range(6)]
+  whole.close()
+  k = 3
+  for index in range(2):
+    part = make(process_index=index, process_count=2)
+    for _ in range(k):
+      next(part)
+    time.sleep(0.05 if prefetch else 0)                    # lets the prefetch thread read ahead
+    state = json.loads(json.dumps(part.get_state()))
+    part.close()
+    assert state["batches"] == k
+    one = make()
+    one.set_state(state)
+    assert _same([next(one) for _ in range(3)], expected[k:])
+    one.close()
+  one = make()
+  for _ in range(k):
+    next(one)
+  state = json.loads(json.dumps(one.get_state()))
+  one.close()
+  for index in range(2):
+    part = make(process_index=index, process_count=2)
+    part.set_state(state)
+    assert _same([next(part) for _ in range(3)],
+                 [{key: b[key][2 * index:2 * index + 2] for key in b} for b in expected[k:]])
+    part.close()
+
+
+def test_a_bad_token_id_is_named_by_its_row_of_the_global_batch():
+  pipe = data.make_pipeline(RANDOM, seq_len=T, batch_size=B, seed=0, process_index=1, process_count=2)
+  pipe.vocab_size = 1                                      # every id but 0 is outside it
+  with pytest.raises(pipeline.TokenIdError, match=r"^data: `tokens`\[2, ") as info:
+    next(pipe)
+  assert info.value.row == 2
+  pipe.close()
+
+
+def test_every_epoch_reads_every_record_once_across_the_processes():
+  """16 records, global batches of 4: the first 4 global batches are one epoch (every record once), the next 4
+  another order of them; on 2 processes the rows split between them and together are the same."""
+  cfg = dict(RANDOM, num_records=16)
   records = sources.RandomTokens(cfg["vocab_size"], T + 1, 16, seed=0)
-  assert seen[0] | seen[1] == {tuple(records[i]) for i in range(16)}
-
-
-@needs_corpus
-def test_text_shards_differ():
-  a, b = (_batches(TEXT, 1, process_index=i, process_count=2)[0] for i in range(2))
-  assert not np.array_equal(a["tokens"], b["tokens"])
+  every = {tuple(records[i]) for i in range(16)}
+  row = lambda b, r: tuple(np.append(b["tokens"][r], b["targets"][r, -1]))
+  batches = _batches(cfg, 8)
+  epochs = [[row(b, r) for b in batches[e * 4:(e + 1) * 4] for r in range(B)] for e in range(2)]
+  assert all(len(set(epoch)) == 16 and set(epoch) == every for epoch in epochs)
+  assert epochs[0] != epochs[1]
+  halves = [[row(b, r) for b in _batches(cfg, 4, process_index=i, process_count=2) for r in range(B // 2)]
+            for i in range(2)]
+  assert not set(halves[0]) & set(halves[1]) and set(halves[0]) | set(halves[1]) == every
 
 
 def test_mqar_rows_are_the_source_records_scored_at_their_queries():
@@ -314,7 +429,11 @@ def test_config_dict():
     ("batch_size", RANDOM, dict(batch_size=0)),
     ("seed", RANDOM, dict(seed=-1)),
     ("process_index", RANDOM, dict(process_index=2, process_count=2)),
-    ("process_count", dict(RANDOM, num_records=2), dict(process_index=0, process_count=3)),
+    ("process_count", RANDOM, dict(process_index=0, process_count=3)),
+    ("rows", RANDOM, dict(rows=[0, B])),
+    ("rows", RANDOM, dict(rows=[1, 1])),
+    ("rows", RANDOM, dict(rows=[])),
+    ("rows", RANDOM, dict(rows=[0], process_index=1, process_count=2)),
 ])
 def test_bad_config_names_the_field(field, cfg, kw):
   """Each bad value raises ValueError naming the config field (or make_pipeline's argument) at fault."""

@@ -1,12 +1,20 @@
-"""The training input pipeline (grain): records → shuffled epochs → token rows → batches, deterministic and
-checkpointable.
+"""The training input pipeline (grain): records → shuffled epochs → token rows → global batches → this process's
+rows of each, deterministic and checkpointable, the same global batches on any number of processes.
 
     pipe = make_pipeline(cfg.data, seq_len=2048, batch_size=16, seed=0, process_index=0, process_count=1)
-    batch = next(pipe)          # a dict of numpy arrays (below)
+    batch = next(pipe)          # a dict of numpy arrays (below): this process's rows of the next global batch
     state = pipe.get_state()    # JSON-serialisable; set_state(state) on an equal pipeline resumes at this point
 
-Stages: source → this process's shard (records i with i % process_count == process_index) → shuffle (a new
-order every epoch, endlessly) → rows → batch → prefetch (a background thread, optional).
+Stages: source → shuffle (a new order every epoch, endlessly) → rows → global batches of batch_size rows → this
+process's rows of each → prefetch (a background thread, optional). Every process defines the same global stream
+of rows from (config, seq_len, seed), so global batch s is a pure function of those and s, whatever the number of
+processes: process p of P reads rows [p·r, (p + 1)·r) of every global batch (r = batch_size / P), or the rows
+`rows` names; the P processes' batches, side by side, are the 1-process batch. The map-style sources ("tokens",
+"random", "mqar", "passkey": one record is one row) read only this process's rows: row j of global batch s is
+record s·batch_size + j of the shuffled, repeated source. The text source's rows come out of a stream (documents
+tokenized and concatenated), so every process tokenizes and packs every global batch and keeps its rows: P
+processes do the tokenizing of one P times over (cheap for the byte tokenizer; a BPE costs more per token).
+
 Text: every record is tokenized with EOS appended, and the token stream is concatenated and split into rows of
 seq_len + 1 tokens (grain's ConcatThenSplit; documents span rows, and no token is padding); a row r gives
 tokens r[:-1] and targets r[1:]. "tokens" (shards of `python -m osdn_jax.data.prepare`, `tokens.TokenRows`): the
@@ -14,7 +22,7 @@ same rows, cut from the split's stream of documents each followed by EOS; one re
 is over rows (the text source shuffles documents). "random": one record is one row of seq_len + 1 tokens. The
 recall tasks ("mqar", "passkey"; `recall`) give rows of exactly seq_len tokens with their own labels.
 
-A batch (B = batch_size, this process's rows; T = seq_len):
+A batch (B = this process's rows of the global batch; T = seq_len):
   tokens       int32 [B, T]    what the model reads
   targets      int32 [B, T]    the token to predict at each position (0 where nothing is scored)
   segment_ids  int32 [B, T]    the document of each position's target (`osdn_jax.ops.packing`'s convention:
@@ -26,8 +34,8 @@ A batch (B = batch_size, this process's rows; T = seq_len):
                                the recall tasks, exactly at their labelled positions; random, everywhere
 
 Every batch's tokens and targets are checked against the vocabulary before it is returned: an id outside
-[0, vocab_size) raises `TokenIdError` (a ValueError) naming the array, row, position and id, so that no such id
-reaches the device (where it would embed as NaN).
+[0, vocab_size) raises `TokenIdError` (a ValueError) naming the array, the row (of the global batch), the position
+and the id, so that no such id reaches the device (where it would embed as NaN).
 
 Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes its `DEFAULTS` value):
   source        "text" | "tokens" | "random" | "mqar" | "passkey"
@@ -64,7 +72,7 @@ SOURCES = ("text", "tokens", "random", "mqar", "passkey")
 DEFAULTS = dict(source="text", path="", tokenizer="byte", vocab_size=256, text_dir="", split="train",
                 block_chars=8192, num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
                 passkey_digits=5, prefetch=2)
-STATE_VERSION = 1
+STATE_VERSION = 2
 # Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
@@ -179,24 +187,31 @@ def check_token_ids(batch: dict, vocab_size: int, where: str = "data") -> None:
 
 
 class Pipeline:
-  """An endless iterator of batches (module docstring) with a JSON-serialisable position.
+  """An endless iterator of batches (module docstring) with a JSON-serialisable, topology-free position.
 
   vocab_size: ids lie in [0, vocab_size) (every batch is checked: `check_token_ids`). tokenizer: the text's or the
   prepared tokens' (None for the other sources); eos_id: its EOS (None likewise). source: the record source (e.g.
-  `recall.MQARSource`, for its examples' structure). get_state() describes the next batch `__next__` returns,
-  whatever a prefetch thread has read ahead; set_state(state) makes this pipeline return from there on exactly
-  what the one that gave the state would have. The state holds the pipeline's `signature` (source, sizes, seed,
-  shard, vocabulary), and set_state raises ValueError for a state of a different pipeline (the prefetch depth may
-  differ).
+  `recall.MQARSource`, for its examples' structure). rows: the rows of the global batch each batch holds, in order
+  (None: the whole global batch), so that a bad token id is named by its global row.
+
+  get_state() describes the next batch `__next__` returns, whatever a prefetch thread has read ahead:
+  {"version", "signature", "batches": the global batches returned so far, "iterator": the global stream's grain
+  state}. Neither the signature nor the position depends on the process: every process of a run holds the same
+  state, and a state resumes the pipeline of any process of any number of processes. set_state(state) makes this
+  pipeline return from there on exactly what the one that gave the state would have returned in its place. The
+  state holds the pipeline's `signature` (source, sizes, the global batch, seed, vocabulary), and set_state raises
+  ValueError for a state of a different pipeline (the prefetch depth and the processes may differ).
   """
 
   def __init__(self, dataset: grain.IterDataset, *, vocab_size: int, tokenizer, signature: dict[str, Any],
-               source=None):
+               source=None, rows=None):
     self.vocab_size = vocab_size
     self.source = source
     self.tokenizer = tokenizer
     self.eos_id = None if tokenizer is None else tokenizer.eos_id
     self.signature = signature
+    self.rows = None if rows is None else tuple(int(r) for r in rows)
+    self.batches = 0       # global batches returned so far
     # The iterator is closed and dropped by close() or at interpreter exit, while grain's modules still exist
     # (a prefetch iterator left to the final garbage collection fails to close).
     self._box = [iter(dataset)]
@@ -213,22 +228,33 @@ class Pipeline:
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = next(self._iterator)
-    check_token_ids(batch, self.vocab_size)
+    self.batches += 1
+    try:
+      check_token_ids(batch, self.vocab_size)
+    except TokenIdError as e:
+      if self.rows is None:
+        raise
+      raise TokenIdError(e.name, self.rows[e.row], e.position, e.value, e.vocab_size) from None
     return batch
 
   def get_state(self) -> dict[str, Any]:
-    return {"version": STATE_VERSION, "signature": dict(self.signature),
+    return {"version": STATE_VERSION, "signature": dict(self.signature), "batches": self.batches,
             "iterator": _to_json(self._iterator.get_state())}
 
   def set_state(self, state: dict[str, Any]) -> None:
     if state.get("version") != STATE_VERSION:
-      raise ValueError(f"data: pipeline state version {state.get('version')!r}, expected {STATE_VERSION}")
+      raise ValueError(f"data: pipeline state version {state.get('version')!r}, expected {STATE_VERSION} (a "
+                       "position saved by another version of the pipeline, whose batches were other ones)")
     theirs = state.get("signature", {})
     differ = sorted(k for k in set(theirs) | set(self.signature) if theirs.get(k) != self.signature.get(k))
     if differ:
       raise ValueError("data: the state belongs to a different pipeline: "
                        + ", ".join(f"{k} {theirs.get(k)!r} ≠ {self.signature.get(k)!r}" for k in differ))
+    batches = state.get("batches")
+    if not isinstance(batches, int) or isinstance(batches, bool) or batches < 0:
+      raise ValueError(f"data: the state's `batches` must be an int ≥ 0, got {batches!r}")
     self._iterator.set_state(_from_json(state["iterator"]))
+    self.batches = batches
 
   def close(self) -> None:
     """Stops the prefetch thread, if any; the pipeline returns no more batches."""
@@ -240,10 +266,39 @@ def _close(box: list) -> None:
     box.pop().close()
 
 
+def _rows(rows, batch_size: int, process_index: int, process_count: int) -> np.ndarray:
+  """The rows of every global batch this process reads (module docstring); ValueError naming the argument."""
+  if rows is None:
+    if batch_size % process_count:
+      raise ValueError(f"data: `batch_size` ({batch_size}, the global batch) must be a multiple of "
+                       f"`process_count` ({process_count})")
+    per = batch_size // process_count
+    return np.arange(process_index * per, (process_index + 1) * per)
+  if (process_index, process_count) != (0, 1):
+    raise ValueError("data: give `rows` or `process_index` and `process_count`, not both")
+  picked = list(rows)
+  if (not picked or len(set(picked)) != len(picked)
+      or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and 0 <= r < batch_size
+                 for r in picked)):
+    raise ValueError(f"data: `rows` must be distinct ints in [0, batch_size = {batch_size}), at least one; got "
+                     f"{rows!r}")
+  return np.array(picked, np.int64)
+
+
+def _stack(records: list) -> Any:
+  """Rows (arrays, or dicts of arrays) → one batch: each array stacked along a new leading axis."""
+  if isinstance(records[0], collections.abc.Mapping):
+    return {k: np.stack([r[k] for r in records]) for k in records[0]}
+  return np.stack(records)
+
+
 def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                  process_count: int = 1) -> Pipeline:
-  """The batches of this process (module docstring). cfg: the data config; batch_size: this process's rows;
-  seed: the shuffle's and the random sources' (an int in [0, 2³²)). ValueError naming the field for bad values."""
+                  process_count: int = 1, rows=None) -> Pipeline:
+  """This process's rows of each global batch (module docstring). cfg: the data config; batch_size: the global
+  batch's rows; seed: the shuffle's and the random sources' (an int in [0, 2³²)); process_index of
+  process_count: this process reads rows [process_index·r, (process_index + 1)·r) of every global batch
+  (r = batch_size / process_count); rows: instead, the rows it reads (distinct indices in [0, batch_size), in the
+  order of its batch). ValueError naming the field for bad values."""
   f = _fields(cfg)
   seq_len = _int_field(seq_len, "seq_len", 1, "data")
   batch_size = _int_field(batch_size, "batch_size", 1, "data")
@@ -254,6 +309,7 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
   process_index = _int_field(process_index, "process_index", 0, "data")
   if process_index >= process_count:
     raise ValueError(f"data: `process_index` ({process_index}) must be below `process_count` ({process_count})")
+  mine = _rows(rows, batch_size, process_index, process_count)
   length = seq_len + 1
   tokenizer = None
   if f["source"] == "text":
@@ -271,29 +327,35 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
   else:
     source = _recall_source(f, seq_len, seed)
     vocab_size = source.vocab_size
-  if len(source) < process_count:
-    raise ValueError(f"data: `process_count` ({process_count}) exceeds the source's {len(source)} records")
 
-  ds = grain.MapDataset.source(source)[process_index::process_count]
-  ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat()
-  if f["source"] == "text":
-    eos = np.array([tokenizer.eos_id], np.int32)
-    ds = ds.map(lambda text: {"ids": np.concatenate([tokenizer.encode(text), eos])})
-    rows = grain.experimental.ConcatThenSplitIterDataset(ds.to_iter_dataset(_READ), length_struct={"ids": length})
-    rows = rows.map(lambda row: {"ids": row["ids"], "doc": row["ids_segment_ids"]})
-  elif f["source"] == "random":
-    rows = ds.map(lambda ids: {"ids": ids, "doc": np.zeros(length, np.int32)}).to_iter_dataset(_READ)
-  elif f["source"] == "tokens":
-    rows = ds.to_iter_dataset(_READ)      # records are rows {"ids", "doc"} already
-  else:
-    rows = ds.to_iter_dataset(_READ)
+  # The global stream of records: the source shuffled (a new order every epoch), endlessly; the same in every
+  # process.
+  stream = grain.MapDataset.source(source).shuffle(seed=_shuffle_seed(seed)).repeat()
   finish = _finish_labelled if f["source"] in ("mqar", "passkey") else _finish
-  batches = rows.batch(batch_size, drop_remainder=True).map(finish)
+  if f["source"] == "text":
+    # Rows come out of the concatenated token stream: every process packs every global batch and keeps its rows.
+    eos = np.array([tokenizer.eos_id], np.int32)
+    docs = stream.map(lambda text: {"ids": np.concatenate([tokenizer.encode(text), eos])})
+    packed = grain.experimental.ConcatThenSplitIterDataset(docs.to_iter_dataset(_READ),
+                                                           length_struct={"ids": length})
+    packed = packed.map(lambda row: {"ids": row["ids"], "doc": row["ids_segment_ids"]})
+    whole = mine.size == batch_size and np.array_equal(mine, np.arange(batch_size))
+    batches = packed.batch(batch_size, drop_remainder=True).map(
+        lambda b: finish(b if whole else {k: v[mine] for k, v in b.items()}))
+  else:
+    # One record is one row: row j of global batch s is record s·batch_size + j of the stream, and this process
+    # reads only its rows.
+    if f["source"] == "random":
+      as_row = lambda ids: {"ids": ids, "doc": np.zeros(length, np.int32)}
+    else:
+      as_row = lambda record: record      # "tokens": rows {"ids", "doc"}; recall: {"inputs", "labels"}
+    offsets = mine.tolist()
+    batches = grain.MapDataset.range(len(stream) // batch_size).map(
+        lambda s: finish(_stack([as_row(stream[s * batch_size + j]) for j in offsets]))).to_iter_dataset(_READ)
   if f["prefetch"]:
     batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=f["prefetch"])
 
-  signature = dict(source=f["source"], seq_len=seq_len, batch_size=batch_size, seed=seed,
-                   process_index=process_index, process_count=process_count, vocab_size=vocab_size,
+  signature = dict(source=f["source"], seq_len=seq_len, batch_size=batch_size, seed=seed, vocab_size=vocab_size,
                    records=len(source))
   if f["source"] == "text":
     signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"], split=f["split"])
@@ -303,7 +365,8 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
     signature.update(mqar_pairs=f["mqar_pairs"], mqar_power=f["mqar_power"], mqar_reads=f["mqar_reads"])
   elif f["source"] == "passkey":
     signature.update(passkey_depth=f["passkey_depth"], passkey_digits=f["passkey_digits"])
-  return Pipeline(batches, vocab_size=vocab_size, tokenizer=tokenizer, signature=signature, source=source)
+  return Pipeline(batches, vocab_size=vocab_size, tokenizer=tokenizer, signature=signature, source=source,
+                  rows=mine)
 
 
 # grain's iterator states hold tuples, and may hold bytes and numpy scalars, which JSON lacks: they travel tagged.

@@ -1,6 +1,10 @@
-"""Checkpoints: orbax's CheckpointManager (asynchronous, keep-N, atomic) holding the training state and each
-process's data-iterator position, under DIR/checkpoints/<step>/, with the SHA-256 of every file it wrote in
+"""Checkpoints: orbax's CheckpointManager (asynchronous, keep-N, atomic) holding the training state and the data
+position, under DIR/checkpoints/<step>/, with the SHA-256 of every file it wrote in
 DIR/checkpoints/<step>/checksums.json.
+
+The data position (`data.Pipeline.get_state`) is the same in every process and names no process: each process
+writes it as data/process_<I>-of-<N>.json (grain's handler), and a restore reads data/process_0-of-<N>.json
+whatever the number of processes restoring, so a run resumes on another number of processes.
 
 A step directory appears only once its save is complete (orbax writes to a temporary name and renames), so a
 process killed mid-save leaves the previous checkpoints intact and the temporary one is removed at the next
@@ -32,20 +36,14 @@ _COMMITTED_LATER = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class _DataPosition:
-  """A data position in the duck type grain's orbax handler saves and restores (get_state/set_state as
-  bytes): a snapshot taken when the save is asked for, so an asynchronous save never sees a later position."""
+  """A data position in the duck type grain's orbax handler saves (get_state as bytes): a snapshot taken when the
+  save is asked for, so an asynchronous save never sees a later position."""
 
   def __init__(self, state=None):
     self.state = state
 
   def get_state(self) -> bytes:
     return json.dumps(self.state).encode()
-
-  def set_state(self, state: bytes) -> None:
-    self.state = json.loads(state)
-
-  def start_prefetch(self) -> None:
-    """Called by grain's handler after a restore; a snapshot has nothing to prefetch."""
 
 
 class _QuietOrbax(py_logging.Filter):
@@ -170,18 +168,28 @@ class Checkpoints:
       if problem := self._failed_verification(step):
         self._skip(step, f"fails verification: {problem}")
         continue
-      position = _DataPosition()
       try:
+        position = self._data_position(step)
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(position)))
+            state=ocp.args.StandardRestore(abstract_state)))
       except Exception as e:  # noqa: BLE001 — any unreadable checkpoint falls back to the one before
         self._skip(step, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
         continue
-      return step, restored["state"], position.state
+      return step, restored["state"], position
     if steps:
       raise RuntimeError(f"none of the checkpoints {sorted(steps)} in {self.directory} can be restored into this "
                          "run's state (the warnings above say why); use a new work directory")
     return None
+
+  def _data_position(self, step: int):
+    """Checkpoint `step`'s data position: process 0's file, which every process of the run that saved it wrote
+    alike; FileNotFoundError when it holds none, ValueError when it is not JSON."""
+    data = self.directory / str(step) / "data"
+    found = sorted(data.glob("process_0-of-*.json"))
+    if len(found) != 1:
+      raise FileNotFoundError(f"{data} holds {'no' if not found else 'more than one'} data position "
+                              "process_0-of-<N>.json")
+    return json.loads(found[0].read_text())
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -144,10 +144,10 @@ def model_config(config, vocab_size: int) -> models.ModelConfig:
 
 
 def _data_shard(config, mesh) -> tuple[int, int, int]:
-  """(index, count, rows): this process's shard of the data (`data.make_pipeline`'s process_index and
-  process_count) and the rows of the global batch it reads. A process reads the rows its devices hold: processes
-  holding the same rows (the batch whole over an axis split across processes: tensor, context) read the same
-  shard, the others disjoint ones."""
+  """(index, count, rows): this process's shard of the global batch's rows among the distinct sets of rows the
+  processes hold (`data.make_pipeline`'s process_index and process_count for the held-out batches) and the number
+  of rows it holds. Processes holding the same rows (the batch whole over an axis split across processes: tensor,
+  context) have the same shard, the others disjoint ones."""
   shape = (config.batch_size, config.seq_len)
   held = {}
   for device, index in mesh_lib.batch_sharding(mesh).devices_indices_map(shape).items():
@@ -157,6 +157,19 @@ def _data_shard(config, mesh) -> tuple[int, int, int]:
   shards = sorted({tuple(sorted(spans)) for spans in held.values()})
   mine = tuple(sorted(held[jax.process_index()]))
   return shards.index(mine), len(shards), sum(stop - start for start, stop in mine)
+
+
+def _batch_rows(config, mesh) -> list[int]:
+  """The rows of every global batch that this process's devices hold, in order: the rows it reads
+  (`data.make_pipeline`'s rows) and that `global_batch` places."""
+  shape = (config.batch_size, config.seq_len)
+  rows = set()
+  for device, index in mesh_lib.batch_sharding(mesh).devices_indices_map(shape).items():
+    if device.process_index == jax.process_index():
+      rows.update(range(*index[0].indices(shape[0])[:2]))
+  if not rows:
+    raise ValueError(f"train: process {jax.process_index()} holds none of the mesh's devices")
+  return sorted(rows)
 
 
 def rows_per_process(config, mesh) -> int:
@@ -185,7 +198,7 @@ def _throw_failed_checks(unread: list, keep: int = 0) -> None:
 
 
 def global_batch(batch: dict, sharding, global_shape=None) -> dict:
-  """The global batch from this process's rows (`_data_shard`); global_shape: [B, T] of every array (needed
+  """The global batch from this process's rows (`_batch_rows`); global_shape: [B, T] of every array (needed
   when an axis split across processes splits the positions)."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape) for k, v in batch.items()}
 
@@ -286,10 +299,11 @@ def _latest_config(workdir: pathlib.Path) -> dict | None:
     raise ValueError(f"train: {path} is not the JSON of a config ({e}); use a new work directory") from None
 
 
-def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract):
+def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract, pipeline=None):
   """`Checkpoints.restore_latest` of a (re)start of `config`, refusing a resume that changes a field not in
   RESUMABLE from the latest (re)start's config: RuntimeError naming those fields when no checkpoint fits the
-  state (another model, say), ValueError naming them when one was restored. Writes nothing."""
+  state (another model, say), ValueError naming them when one was restored. With `pipeline`, sets it to the
+  restored data position (`_resume_data`). Writes nothing."""
   previous = _latest_config(workdir)
   defaults = _flat(configs.base().to_dict())
   # A field the run's config lacks (one the trainer gained since) at its default is the run's behaviour.
@@ -307,7 +321,24 @@ def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract):
                      f"but it changes {_describe(refused)}; a resume may change only "
                      f"{', '.join(f'`{k}`' for k in RESUMABLE)}. Rerun with the run's settings (config.json) or "
                      "use a new work directory")
+  if restored is not None and pipeline is not None:
+    _resume_data(pipeline, restored[2], restored[0], workdir)
   return restored
+
+
+def _resume_data(pipeline, position: dict, step: int, workdir: pathlib.Path) -> None:
+  """Sets the training pipeline to checkpoint `step`'s data position. The position names no process (the global
+  batches consumed and the global stream's state), so a run resumes on any number of processes; the pipeline
+  checks its signature (the source, seq_len, the global batch size, the seed, ...). ValueError naming the
+  checkpoint when the position is another pipeline's or does not stand after `step` global batches."""
+  where = f"train: checkpoint {step} in {workdir / 'checkpoints'}"
+  try:
+    pipeline.set_state(position)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if position.get("batches") != step:
+    raise ValueError(f"{where}: its data position stands after {position.get('batches')!r} global batches, "
+                     f"not {step}")
 
 
 def _record_config(workdir: pathlib.Path, config, start: int) -> None:
@@ -329,13 +360,14 @@ def perplexity(loss: float) -> float:
 
 def eval_batches(config, *, rows: int, shard: int = 0, shards: int = 1, data=None, count: int | None = None,
                  vocab_size: int | None = None) -> list[tuple[dict, int]]:
-  """The held-out batches of a run of `config`: [(batch, segments bound)] of `count` (`config.eval_batches`) batches
-  of `rows` rows, this process's shard `shard` of `shards` (`_data_shard`), each with its `step.segments_bound` (the
-  largest of every process's). The same batches at every call: the validation split of the run's data (text:
-  the corpus's validation blocks; tokens: the prepared validation split), or of prepared token shards `data` (a
-  directory), shuffled with EVAL_SEED. random, mqar and passkey have no validation split: their held-out batches
-  are the same source drawn with seed EVAL_SEED (EVAL_SEED + 1 for a run whose seed is EVAL_SEED), other rows than
-  the training ones. ValueError when the split cannot be read or (`vocab_size`) its vocabulary differs."""
+  """The held-out batches of a run of `config`: [(batch, segments bound)] of `count` (`config.eval_batches`) global
+  batches of `rows` × `shards` rows, this process's `rows` of each (its shard `shard` of `shards`, `_data_shard`),
+  each with its `step.segments_bound` (the largest of every process's). The same batches at every call: the validation
+  split of the run's data (text: the corpus's validation blocks; tokens: the prepared validation split), or of
+  prepared token shards `data` (a directory), shuffled with EVAL_SEED. random, mqar and passkey have no validation
+  split: their held-out batches are the same source drawn with seed EVAL_SEED (EVAL_SEED + 1 for a run whose seed is
+  EVAL_SEED), other rows than the training ones. ValueError when the split cannot be read or (`vocab_size`) its
+  vocabulary differs."""
   data_cfg = dict(config.data) if data is None else dict(source="tokens", path=str(data))
   data_cfg.update(split="validation", prefetch=0)
   seed = EVAL_SEED
@@ -343,7 +375,7 @@ def eval_batches(config, *, rows: int, shard: int = 0, shards: int = 1, data=Non
     seed = EVAL_SEED + 1
   count = config.get("eval_batches", 8) if count is None else count
   try:
-    pipeline = data_lib.make_pipeline(data_cfg, seq_len=config.seq_len, batch_size=rows, seed=seed,
+    pipeline = data_lib.make_pipeline(data_cfg, seq_len=config.seq_len, batch_size=rows * shards, seed=seed,
                                       process_index=shard, process_count=shards)
   except (ValueError, FileNotFoundError) as e:
     where = "the run's data" if data is None else str(data)
@@ -494,8 +526,8 @@ def setup(config, workdir: pathlib.Path) -> TrainSetup:
   mesh = mesh_lib.make_mesh(config.mesh)
   rows = rows_per_process(config, mesh)
   shard, shards, _ = _data_shard(config, mesh)
-  pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=rows, seed=config.seed,
-                                    process_index=shard, process_count=shards)
+  pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=config.batch_size,
+                                    seed=config.seed, rows=_batch_rows(config, mesh))
   cfg = model_config(config, pipeline.vocab_size)
   mesh_lib.check_heads(cfg, mesh)
   mesh_lib.check_length(config.seq_len, mesh)
@@ -514,7 +546,7 @@ def setup(config, workdir: pathlib.Path) -> TrainSetup:
                      async_save=config.async_checkpoint)
   try:
     restored = _restore(ckpt, config, workdir, jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh))
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh), pipeline)
   except BaseException:
     ckpt.close()
     pipeline.close()
@@ -525,8 +557,7 @@ def setup(config, workdir: pathlib.Path) -> TrainSetup:
     state = jax.jit(lambda: init_state(cfg, tx, config.seed), out_shardings=state_sh)()
     start = 0
   else:
-    start, state, data_state = restored
-    pipeline.set_state(data_state)
+    start, state, _ = restored     # the pipeline stands at the restored data position (`_restore`)
     logging.info("resumed from checkpoint %d in %s%s", start, workdir / "checkpoints",
                  "; the run is already complete" if start >= config.steps else "")
   last_good = (start, str(workdir / "checkpoints" / str(start))) if restored else None
