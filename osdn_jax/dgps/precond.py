@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from osdn_jax.dgps import checks, naive
 from osdn_jax.dgps.moment import num_segments, pdn_scale  # noqa: F401  (this module's names too)
-from osdn_jax.ops import chunked, common, dispatch, packing
+from osdn_jax.ops import chunked, common, dispatch, faults, packing
 from osdn_jax.ops.scan import affine_scan
 
 _HI = lax.Precision.HIGHEST
@@ -90,6 +90,26 @@ def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True,
   return (*dispatch.choose(request, implementation, why=why), log_decay_p)
 
 
+def _confined(kernel, k, beta_p, log_decay_p, segment_ids):
+  """kernel(k, βᴾ, gᴾ) → (y [B, T, H, K], A_T [B, H, K]) run on the inputs with their non-finite entries zeroed, and
+  NaN where the token-serial second moment has it: in a channel from its sequence's first fault in it on (a NaN or
+  inf in k_t there, in βᴾ_t, or a log-decay NaN or +inf), and in its final state.
+
+  A kernel's chunk meets its tokens in matmuls, where a zero weight times a NaN is NaN: a fault would reach the
+  rows of its chunk before it, and, with segment starts folded into a −30 log-decay (`_choose`), the next
+  segment through e^−30 · NaN. On finite inputs the selects change nothing."""
+  bad_k = ~jnp.isfinite(k)
+  bad_b = ~jnp.isfinite(beta_p)
+  bad_g = jnp.isnan(log_decay_p) | (log_decay_p == jnp.inf)
+  since = faults.since_first(bad_k | (bad_b | bad_g)[..., None], segment_ids)
+  zero = lambda x, bad: jnp.where(bad, jnp.zeros((), x.dtype), x)
+  y, A_T = kernel(zero(k, bad_k), zero(beta_p, bad_b), zero(log_decay_p, bad_g))
+  y = jnp.where(since.at, jnp.asarray(jnp.nan, y.dtype), y)
+  if A_T is not None and segment_ids is None:
+    A_T = jnp.where(since.poisoned[:, -1], jnp.asarray(jnp.nan, A_T.dtype), A_T)
+  return y, A_T
+
+
 def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
@@ -100,7 +120,7 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
   kind, kernel, g = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
                             initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    A, A_T = kernel(k, g, beta=beta_p, initial_state=initial_state)
+    A, A_T = _confined(lambda k, b, g: kernel(k, g, beta=b, initial_state=initial_state), k, beta_p, g, segment_ids)
     return A, (A_T if segment_ids is None else None)
   if kind == "reference":
     return naive.second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
@@ -135,8 +155,8 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
   kind, kernel, g = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
                             _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    k_write, A_T = kernel(k, beta_p, g, transform="pdn", center=center, x=x, eps=eps,
-                          initial_state=initial_state)
+    k_write, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="pdn", center=center, x=x, eps=eps,
+                                                    initial_state=initial_state), k, beta_p, g, segment_ids)
     return _saveable(k_write), (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
@@ -152,7 +172,8 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
   kind, kernel, g = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
                             _static(lam), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    q_tilde, A_T = kernel(k, beta_p, g, transform="atq", q=q, lam=lam, initial_state=initial_state)
+    q_tilde, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="atq", q=q, lam=lam,
+                                                    initial_state=initial_state), k, beta_p, g, segment_ids)
     return q_tilde, (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
@@ -299,11 +320,31 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
   else:
     log_r = jnp.log(r)
     read = (c * jnp.exp(-log_r))[..., None] * u
+  since = _chunked_faults(read, b, u, log_r)
+  zero = lambda x: None if x is None else jnp.where(_expand(since.at, x), jnp.zeros((), x.dtype), x)
   states, y_last = chunked.delta_rule_states(
-      read, b[..., None], jnp.ones_like(b), k_write=u, log_decay=log_r,
+      zero(read), zero(b)[..., None], jnp.ones_like(b), k_write=zero(u), log_decay=zero(log_r),
       initial_state=(d1 - o)[..., None], chunk_size=chunk_size)
   y = jnp.concatenate([(d1 - o)[:, None, :, :, None], states[:, :-1]], axis=1)[..., 0]
-  return o + y, o + y_last[..., 0]
+  nan = jnp.asarray(jnp.nan, y.dtype)
+  return (jnp.where(since.after[..., None], nan, o + y),
+          jnp.where(since.poisoned[:, -1, :, None], nan, o + y_last[..., 0]))
+
+
+def _expand(mask, x):
+  return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+
+def _chunked_faults(read, b, u, log_r):
+  """Where each row's first non-finite token of the chunked d-pass is ([B, T, G] masks, `faults.Since`).
+
+  A chunk's tokens meet in matmuls, where a zero weight times a NaN is NaN: one bad token would reach the rows
+  of its chunk before it. So the pass runs with the tokens from the first bad one on zeroed (an identity step,
+  leaving the earlier rows as in the clean run), and d is NaN after it, as in the token-serial scan."""
+  ok = jnp.isfinite(b) & jnp.all(jnp.isfinite(read), -1) & jnp.all(jnp.isfinite(u), -1)
+  if log_r is not None:
+    ok = ok & jnp.isfinite(log_r)
+  return faults.since_first(~ok)
 
 
 def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0,
@@ -342,7 +383,12 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
                            segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
-  return _saveable(apply_guard(ds * kx, kx, beta, guard).astype(out_dtype)), d_last
+  # A key whose ‖k‖² is not finite (a NaN or inf in k, or a finite k whose square overflows) writes NaN: the guard's
+  # β⟨k, d ⊙ k⟩ means nothing there, and a finite write key of that size would overflow inside the chunked solve
+  # and reach its chunk's other rows, where the solve confines a NaN to its sequence from its token on.
+  k_write = apply_guard(ds * kx, kx, beta, guard)
+  k_write = jnp.where(~jnp.isfinite(n)[..., None], jnp.asarray(jnp.nan, k_write.dtype), k_write)
+  return _saveable(k_write.astype(out_dtype)), d_last
 
 
 def fixed_write_key(k, beta, d, *, guard=2.0):

@@ -21,6 +21,9 @@ Preconditioner states: the PDN/ATQ second moment is diagonal-affine in its initi
 give each shard's map and one gather composes them (`carry_diagonal`). OSDN's d is clipped, so not affine: it
 passes as a ring (`carry`), P − 1 rounds in which every shard runs its pass from its current guess and hands its
 final state to the next; after round r the first r + 1 shards hold their exact initial states.
+
+Faults (docs/faults.md): the maps are composed on finite values with their non-finite heads as a mask beside
+them, so a NaN is never multiplied into a segment that does not read it, in values or in gradients.
 """
 from __future__ import annotations
 
@@ -126,13 +129,24 @@ def carry_diagonal(run: Callable, initial, sh: Shards):
   rows = lambda value: jnp.full((sh.cont.shape[1],) + initial.shape[1:], value, initial.dtype)
   b = run(slot_states(rows(0), initial, sh))[sh.row_last]
   a = run(slot_states(rows(1), initial, sh))[sh.row_last] - b
-  scales, offsets = lax.all_gather(a, sh.axis), lax.all_gather(b, sh.axis)
-  state = mine = entering(initial, sh, 0)
+  # Composed on finite values with the non-finite entries as a mask (as `_entering_state`): a NaN scale times the
+  # zero cotangent of a row that does not continue would be NaN in the earlier shards' gradients.
+  bad_map = ~(jnp.isfinite(a) & jnp.isfinite(b))
+  scales, offsets, bad_maps = (lax.all_gather(x, sh.axis) for x in (_zeroed(a), _zeroed(b), bad_map))
+  state = mine = _zeroed(entering(initial, sh, 0))
+  bad = mine_bad = ~jnp.isfinite(entering(initial, sh, 0))
   for i in range(1, sh.size):
     cont = sh.cont[i].reshape((-1,) + (1,) * (state.ndim - 1))
-    state = jnp.where(cont, scales[i - 1] * state + offsets[i - 1], entering(initial, sh, i))
+    own = entering(initial, sh, i)
+    state = jnp.where(cont, scales[i - 1] * state + offsets[i - 1], _zeroed(own))
+    bad = jnp.where(cont, bad | bad_maps[i - 1], ~jnp.isfinite(own))
     mine = jnp.where(sh.index == i, state, mine)
-  return slot_states(mine, initial, sh)
+    mine_bad = jnp.where(sh.index == i, bad, mine_bad)
+  return slot_states(jnp.where(mine_bad, jnp.asarray(jnp.nan, mine.dtype), mine), initial, sh)
+
+
+def _zeroed(x):
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
 def carry(run: Callable, initial, sh: Shards):
@@ -177,21 +191,59 @@ def _solve(op, q, k, v, beta, *, axis_name, k_write=None, log_decay=None, initia
   last = final[sh.row_last]                                          # [B, HV, K, V + K]
   maps = lax.all_gather(last[..., vd:], axis_name)                   # M [P, B, HV, K, K]
   offsets = lax.all_gather(last[..., :vd], axis_name)                # N [P, B, HV, K, V]
-  rows = entering(initial, sh, 0)
-  mine = rows
-  for i in range(1, sh.size):                                        # S_in of shard i, for every i; keep ours
-    after = jnp.einsum("bhkj,bhjv->bhkv", maps[i - 1], rows, precision=lax.Precision.HIGHEST) + offsets[i - 1]
-    cont = sh.cont[i].reshape(-1, 1, 1, 1)
-    rows = jnp.where(cont, after, entering(initial, sh, i))
-    mine = jnp.where(sh.index == i, rows, mine)
-  o = o_wide[..., :vd].astype(ct) + jnp.einsum("bthk,bhkv->bthv", o_wide[..., vd:].astype(ct), mine,
-                                               precision=lax.Precision.HIGHEST)
-  o = o.astype(q.dtype)
+  mine, poisoned = _entering_state(maps, offsets, initial, sh)
+  first = _first_segment(segment_ids, o_wide.shape[:2])[..., None, None]
+  coef = _reading(o_wide[..., vd:].astype(ct), first)
+  o = o_wide[..., :vd].astype(ct) + jnp.einsum("bthk,bhkv->bthv", coef, mine, precision=lax.Precision.HIGHEST)
+  o = jnp.where(first & poisoned[:, None, :, None], jnp.nan, o).astype(q.dtype)
   if not output_final_state:
     return o, None
-  local = final[..., :vd] + jnp.einsum("shkj,shjv->shkv", final[..., vd:], mine[sh.slot_row],
-                                       precision=lax.Precision.HIGHEST)
+  slot_first = sh.slot_first[:, None, None, None]
+  coef = _reading(final[..., vd:], slot_first)
+  local = final[..., :vd] + jnp.einsum("shkj,shjv->shkv", coef, mine[sh.slot_row], precision=lax.Precision.HIGHEST)
+  local = jnp.where(slot_first & poisoned[sh.slot_row][..., None, None], jnp.nan, local)
   return o, whole_finals(local, initial, sh)
+
+
+def _reading(coef, reads):
+  """The coefficients of the entering state where `reads` (a row's first segment on the shard) and finite, else 0.
+
+  The other segments' are zero, and a segment poisoned on this shard has NaN ones next to its NaN local values:
+  multiplied, a NaN would reach the entering state's gradient (times a zero cotangent) and, through it, the
+  earlier segments' inputs. Dropped, the values stay NaN where the local solve put NaN."""
+  return jnp.where(reads & jnp.isfinite(coef), coef, jnp.zeros((), coef.dtype))
+
+
+def _finite(x):
+  """(x with its non-finite entries 0, [..., HV] whether a head's [K, V] block held one)."""
+  return _zeroed(x), ~jnp.all(jnp.isfinite(x), axis=(-2, -1))
+
+
+def _entering_state(maps, offsets, initial, sh: Shards):
+  """The state entering this shard's rows [B, HV, K, V] and [B, HV] whether it is non-finite.
+
+  The shards' maps are composed on finite values and the non-finite heads carried beside them as a mask: a NaN
+  in a map or a state is not multiplied anywhere, so it reaches neither the rows that do not continue (a zero
+  weight times a NaN, in values or in the gradient of a `where`) nor the segments that read no entering state."""
+  (maps, bad_m), (offsets, bad_n) = _finite(maps), _finite(offsets)
+  rows, bad = _finite(entering(initial, sh, 0))
+  mine, mine_bad = rows, bad
+  for i in range(1, sh.size):                                        # S_in of shard i, for every i; keep ours
+    after = jnp.einsum("bhkj,bhjv->bhkv", maps[i - 1], rows, precision=lax.Precision.HIGHEST) + offsets[i - 1]
+    own, own_bad = _finite(entering(initial, sh, i))
+    cont = sh.cont[i][:, None]
+    bad = jnp.where(cont, bad | bad_m[i - 1] | bad_n[i - 1], own_bad)
+    rows = jnp.where(cont[..., None, None], after, own)
+    mine = jnp.where(sh.index == i, rows, mine)
+    mine_bad = jnp.where(sh.index == i, bad, mine_bad)
+  return mine, mine_bad
+
+
+def _first_segment(segment_ids, shape):
+  """[B, T/P] bool: the local tokens of each row's first segment on the shard (those reading the entering state)."""
+  if segment_ids is None:
+    return jnp.ones(shape, bool)
+  return jnp.cumsum(packing.segment_starts(segment_ids), axis=1) == 1
 
 
 def delta_rule(q, k, v, beta, *, axis_name: str, k_write=None, log_decay=None, initial_state=None,

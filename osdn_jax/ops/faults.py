@@ -14,7 +14,8 @@ The chunked XLA solve needs help to keep it: a chunk's tokens meet in matmuls, w
 is NaN, so one bad token would reach the chunk's earlier rows and (through masked products) the other packed
 sequences of its chunk. `careful` keeps the contract by construction: non-finite inputs are replaced by 0, the
 solve runs on finite inputs, and NaN is written where the contract puts it (`Poison`). All of it is element-wise
-work that fuses into the solve's own input and output passes, and a min per sequence of where its faults are.
+work that fuses into the solve's own input and output passes, and a min per sequence of where its faults are
+(`since_first`, which the preconditioners' chunked passes use too: `dgps.precond`).
 The Pallas kernels run without it: each of their programs holds one sequence (a packed segment starts on a chunk
 boundary of its own lane), so a fault never reaches another sequence, and they keep the rows of its own chunk
 before it themselves (docs/faults.md).
@@ -58,6 +59,30 @@ class Poison(NamedTuple):
   sequence: jax.Array   # [B, T, HV]: t's sequence is poisoned somewhere (its final state is non-finite)
 
 
+class Since(NamedTuple):
+  """Where each sequence's first fault is, as masks over its tokens ([B, T, ...], the shape of the faults)."""
+  at: jax.Array         # at or after the first fault of its sequence
+  after: jax.Array      # strictly after it
+  poisoned: jax.Array   # its sequence has a fault somewhere
+
+
+def since_first(bad, segment_ids=None) -> Since:
+  """The masks of `Since` for bad [B, T, ...] (each trailing entry on its own) and segment_ids None or [B, T]."""
+  b, t = bad.shape[:2]
+  tail = (1,) * (bad.ndim - 2)
+  # A min over each sequence's tokens (a scatter-min over packed segments), not a running max along T, whose
+  # GPU lowering is a reduce-window over the whole sequence (O(T²)).
+  if segment_ids is None:
+    pos = jnp.arange(t).reshape((1, t) + tail)
+    first = jnp.min(jnp.where(bad, pos, t), axis=1, keepdims=True)               # [B, 1, ...]
+    return Since(pos >= first, pos > first, jnp.broadcast_to(first < t, bad.shape))
+  seg = packing.segment_index(segment_ids)                                       # [B, T]
+  pos = (jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.arange(t, dtype=jnp.int32)).reshape((b, t) + tail)
+  never = b * t
+  first = jnp.full((never,) + bad.shape[2:], never, jnp.int32).at[seg].min(jnp.where(bad, pos, never))[seg]
+  return Since(pos >= first, pos > first, first < never)
+
+
 def poison(arrays: dict, segment_ids=None) -> Poison:
   """The contract's NaN positions for the inputs `arrays` (q, k, v [, beta, k_write, log_decay,
   initial_state]: the solves' shapes, None where absent) and segment_ids None or [B, T]."""
@@ -67,22 +92,12 @@ def poison(arrays: dict, segment_ids=None) -> Poison:
   for name in STATE_INPUTS:
     if arrays.get(name) is not None:
       bad = bad | _to_value_heads(_nonfinite(name, arrays[name]), hv)
-  # Where each sequence's first fault is: a min over its tokens (a scatter-min over packed segments), not a running
-  # max along T, whose GPU lowering is a reduce-window over the whole sequence (O(T²)).
-  if segment_ids is None:
-    pos = jnp.arange(t)[None, :, None]
-    first = jnp.min(jnp.where(bad, pos, t), axis=1, keepdims=True)                  # [B, 1, HV]
-    state, poisoned = pos >= first, jnp.broadcast_to(first < t, bad.shape)
-  else:
-    seg = packing.segment_index(segment_ids)                                       # [B, T]
-    pos = (jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.arange(t, dtype=jnp.int32))[..., None]   # [B, T, 1]
-    never = b * t
-    first = jnp.full((never, hv), never, jnp.int32).at[seg].min(jnp.where(bad, pos, never))[seg]
-    state, poisoned = pos >= first, first < never
+  since = since_first(bad, segment_ids)
+  state, poisoned = since.at, since.poisoned
   s0 = arrays.get("initial_state")
   if s0 is not None:
     s0_bad = ~jnp.all(jnp.isfinite(s0), axis=(2, 3))                            # [N or B, HV]
-    s0_bad = s0_bad[:, None] if segment_ids is None else s0_bad[seg]
+    s0_bad = s0_bad[:, None] if segment_ids is None else s0_bad[packing.segment_index(segment_ids)]
     state, poisoned = state | s0_bad, poisoned | s0_bad
   sequence = jnp.broadcast_to(poisoned, bad.shape)
   output = state | _to_value_heads(_nonfinite("q", q), hv)
