@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.timing import compiled_bytes, jax_ms
 from osdn_jax import dgps
+from osdn_jax.ops import dispatch
 
 _POINTS = flags.DEFINE_list("points", ["gdn", "pgdn", "osdn"], "DGPS points")
 _LENGTHS = flags.DEFINE_list("lengths", ["16384", "65536"], "sequence lengths T")
@@ -30,7 +31,7 @@ _DEVICES = flags.DEFINE_list("devices", ["1", "2"], "P values for the split runs
 _HEADS = flags.DEFINE_integer("heads", 8, "heads H = HV")
 _DIM = flags.DEFINE_integer("dim", 128, "K = V")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype")
-_IMPL = flags.DEFINE_string("implementation", "auto", "the solve's implementation")
+_IMPL = flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the point's implementation")
 _OUT = flags.DEFINE_string("out", "", "JSON file the rows are appended to")
 
 

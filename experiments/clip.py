@@ -27,6 +27,7 @@ from flax import nnx
 
 from experiments import common, lm, mqar
 from osdn_jax import dgps, diagnostics, plugins
+from osdn_jax.ops import dispatch
 
 FLAGS = flags.FLAGS
 
@@ -247,7 +248,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("mqar_rows", 64, "MQAR test rows measured")
   flags.DEFINE_integer("text_rows", 16, "text validation rows measured")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
-  flags.DEFINE_string("implementation", "auto", "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   app.run(main)

@@ -22,6 +22,7 @@ from absl import app, flags
 
 from experiments import common, lm, mqar
 from osdn_jax import plugins
+from osdn_jax.ops import dispatch
 
 FLAGS = flags.FLAGS
 
@@ -129,7 +130,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("text_seq_len", 512, "text tokens per row")
   flags.DEFINE_integer("text_batch_size", 32, "text rows per step")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
-  flags.DEFINE_string("implementation", "auto", "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   app.run(main)

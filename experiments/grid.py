@@ -44,6 +44,7 @@ from experiments import common, mqar
 from osdn_jax import plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.data.recall import IGNORE
+from osdn_jax.ops import dispatch
 from osdn_jax.train import loop, optim
 from osdn_jax.train.step import graphdef, init_state, make_train_step, scored_positions
 
@@ -528,7 +529,7 @@ def define_flags():
   flags.DEFINE_integer("train_examples", Protocol.train_examples, "training rows per cell")
   flags.DEFINE_integer("test_examples", Protocol.test_examples, "test rows per cell")
   flags.DEFINE_string("dtype", Protocol.dtype, "compute dtype")
-  flags.DEFINE_string("implementation", Protocol.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", Protocol.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_integer("eval_every", Protocol.eval_every, "steps between points of the learning curve")
   flags.DEFINE_integer("reads", Protocol.reads, "times the kv block is read before the queries (1 or 2)")
   flags.DEFINE_float("budget_s", 0.0, "start no group after this many seconds (0: no limit)")

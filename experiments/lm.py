@@ -21,6 +21,7 @@ from absl import app, flags
 from experiments import common
 from experiments.plot_run import read_metrics
 from osdn_jax import plugins
+from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -145,7 +146,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("dtype", d.dtype, "compute dtype")
   flags.DEFINE_integer("validation_batches", d.validation_batches, "validation batches")
   flags.DEFINE_integer("seed", d.seed, "initialisation and data seed")
-  flags.DEFINE_string("implementation", d.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", d.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   flags.DEFINE_list("merge", [], "lm.json files of parts of one comparison: report them together")

@@ -27,6 +27,7 @@ from absl import app, flags
 from experiments import common
 from osdn_jax import plugins
 from osdn_jax.data import MQARSource
+from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -240,7 +241,7 @@ def define_flags(defaults: Sweep):
   flags.DEFINE_integer("test_examples", defaults.test_examples, "test rows per cell")
   flags.DEFINE_integer("train_kv", defaults.train_kv, "0: a model per (L, kv); N: one per L trained at N pairs")
   flags.DEFINE_integer("seed", defaults.seed, "initialisation and data seed")
-  flags.DEFINE_string("implementation", defaults.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", defaults.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_string("dtype", defaults.dtype, "compute dtype")
   flags.DEFINE_bool("smoke", False, "the CI size (overrides the flags above)")
   flags.DEFINE_string("out", "results", "output directory")

@@ -29,6 +29,7 @@ from flax import nnx
 
 from osdn_jax import models, plugins
 from osdn_jax.data.recall import IGNORE, MQARSource
+from osdn_jax.ops import dispatch
 
 
 def rows(source: MQARSource, indices) -> tuple[np.ndarray, np.ndarray]:
@@ -148,7 +149,7 @@ def define_flags():
   flags.DEFINE_string("size", "mqar", "model size")
   flags.DEFINE_integer("train_examples", 100_000, "distinct training rows")
   flags.DEFINE_integer("test_examples", 1000, "test rows")
-  flags.DEFINE_string("implementation", "auto", "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
   flags.DEFINE_integer("follow", 0, "> 0: compare this many steps of the grid's path with this loop's (docstring)")
   flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"], "with --follow: the optimiser of both paths")

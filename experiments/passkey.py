@@ -22,6 +22,7 @@ from absl import app, flags
 from experiments import common
 from osdn_jax import models, plugins
 from osdn_jax.data import PasskeySource
+from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -170,7 +171,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
   flags.DEFINE_integer("test_examples", d.test_examples, "haystacks per (length, depth)")
   flags.DEFINE_integer("seed", d.seed, "initialisation and data seed")
-  flags.DEFINE_string("implementation", d.implementation, "auto | xla | pallas | reference")
+  flags.DEFINE_enum("implementation", d.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   flags.DEFINE_list("merge", [], "passkey.json files of parts of one comparison: report them together")

@@ -3,8 +3,9 @@
 A backend module (`pallas_kernels.gpu`, `pallas_kernels.tpu`) registers, per op, a function with the signature of
 the op's XLA implementation and a predicate `supports(spec)` over the typed request (`pallas_kernels.spec.Spec`).
 `lookup(spec)` returns the first registered kernel that supports the request, or None: `implementation="auto"` then
-falls back to XLA and `implementation="pallas"` raises (`osdn_jax.ops.dispatch`, the one place the library reaches
-the kernels). Nothing here imports `osdn_jax`.
+falls back to XLA and "pallas", "pallas-gpu" and "pallas-tpu" raise (`osdn_jax.ops.dispatch`, the one place the
+library reaches the kernels, which sets `spec.platform` to the platform an explicit value names). Nothing here
+imports `osdn_jax`.
 
 The backends are imported lazily, on the first `lookup`: importing this package pulls in nothing beyond the
 standard library.

@@ -31,8 +31,9 @@ def next_pow2(x: int, floor: int = 16) -> int:
 class Spec:
   """One kernel request: what a kernel's `supports` decides on (static shapes, dtypes and options only).
 
-  op: one of OPS. platform: `jax.default_backend()` ("gpu", "cpu", "tpu"). dtype: the inputs' dtype name
-  ("bfloat16", "float32", ...). key_dim, value_dim: K and V (value_dim 0 where the op has none).
+  op: one of OPS. platform: whose kernels are asked for, "gpu", "cpu" or "tpu": `jax.default_backend()`, or the
+  platform an explicit `implementation` names ("pallas-gpu", "pallas-tpu"; `osdn_jax.ops.dispatch`). dtype: the
+  inputs' dtype name ("bfloat16", "float32", ...). key_dim, value_dim: K and V (value_dim 0 where the op has none).
   batch, length, heads, value_heads: B, T, H, HV (length None for one-token steps). decay: "none" | "scalar" |
   "channel". chunk_size: the requested chunk (0 where the op has none). packed: `segment_ids` were given;
   num_segments: N when static (B when unpacked), else None. static_params: the op's scalar options (e.g. PDN's

@@ -20,9 +20,10 @@ the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 
 `implementation` (`osdn_jax.ops.dispatch`), for the passes with several: "reference" (token-serial `lax.scan`,
 `dgps.naive` for the second moment), "xla" (`lax.associative_scan`; OSDN's exact chunked form when unclipped and
-unpacked, else the token-serial scan), "pallas" (the kernels "decayed_sum", "precond_key", "osdn_d_pass";
-interpret mode on CPU) or "auto" (pallas on a GPU when a kernel supports the call, else xla; OSDN's d-pass takes
-the exact chunked form whenever it is unclipped and unpacked).
+unpacked, else the token-serial scan), "pallas" (this backend's kernels "decayed_sum", "precond_key",
+"osdn_d_pass"; on a CPU the GPU kernels in interpret mode), "pallas-gpu" / "pallas-tpu" (that platform's kernels,
+in interpret mode on another backend) or "auto" (pallas on a GPU or TPU when a kernel supports the call, else xla;
+OSDN's d-pass takes the exact chunked form whenever it is unclipped and unpacked).
 
 Options given as numbers are range-checked on every call (`dgps.checks`: PDN's x ≥ 1 and ε > 0, λ > 0, η ≥ 0,
 d_min ≤ d_max, γ > 0, all finite); traced options pass unchecked.
@@ -359,7 +360,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
       None: off).
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
-    implementation: "auto" | "reference" | "xla" | "pallas", of the d-pass (`osdn_d_pass`).
+    implementation: one of `ops.dispatch.IMPLEMENTATIONS`, of the d-pass (`osdn_d_pass`).
     segment_ids: None or [B, T] packed sequences (initial_state then [N, G, K]; d_{T+1} per segment).
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).

@@ -77,7 +77,7 @@ class Context:
   point's options (every axis's, plus "solve": the solve's name), the gain β [B, T, HV] (for the preconditioner;
   None for an offline solve without a gain), its carried state (a stateful preconditioner: [B, G, K], or
   [N, G, K] per segment when `segment_ids` [B, T] packs several sequences into a row; None: start from
-  `State.init`), the implementation its pass should run ("auto" | "reference" | "xla" | "pallas"), and what the
+  `State.init`), the implementation its pass should run (one of `ops.dispatch.IMPLEMENTATIONS`), and what the
   point's solve reads (`Solve.reads`)."""
   q: Any
   k: Any
@@ -87,7 +87,7 @@ class Context:
   options: Mapping[str, Any]
   beta: Any = None
   state: Any = None          # the preconditioner's carried state, if any ([N, G, K] per segment when packed)
-  implementation: str = "auto"   # of the preconditioner's pass: "auto" | "reference" | "xla" | "pallas"
+  implementation: str = "auto"   # of the preconditioner's pass: one of `ops.dispatch.IMPLEMENTATIONS`
   segment_ids: Any = None    # [B, T] packed sequences (`osdn_jax.ops.packing`)
   reads: tuple[str, ...] = ()    # what the point's solve reads: ("k_write",) online, ("q_tilde",) offline
 
@@ -532,9 +532,10 @@ class Point:
                chunk_size=64, segment_ids=None, implementation="auto", context=None):
     """Runs the point. state: None or {"S": [B, HV, K, V], "precond": [B, G, K] or None}.
 
-    Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). `implementation` ("auto" | "reference" |
-    "xla" | "pallas"; "naive" is an alias of "reference") runs the preconditioner's pass and the solve:
-    "reference" runs every axis token-serially (the point's own reference composition). With segment_ids [B, T]
+    Returns (o [B, T, HV, V], {"S": ..., "precond": ...} or None). `implementation` (one of
+    `ops.dispatch.IMPLEMENTATIONS`; "naive" is an alias of "reference") runs the preconditioner's pass and the
+    solve: "reference" runs every axis token-serially (the point's own reference composition); "pallas",
+    "pallas-gpu" and "pallas-tpu" need a kernel of that platform for each. With segment_ids [B, T]
     every state restarts at each segment start and the states are per segment ([N, ...] instead of [B, ...]).
 
     context: None, or the name of a mesh axis that splits T, inside `jax.shard_map` (context parallelism,

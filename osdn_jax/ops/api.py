@@ -1,8 +1,10 @@
 """The public solves: validation, then dispatch to the reference oracle, the chunked XLA path or a Pallas kernel.
 
 `implementation` (`dispatch`): "reference" (token-serial oracle; "naive" is an alias), "xla" (chunkwise pure JAX),
-"pallas" (a kernel; on a CPU backend in interpret mode; raises if none supports the request) or "auto" (pallas
-on GPU/TPU when a kernel supports the shape and dtype, else xla; never the reference).
+"pallas" (this backend's kernel; on a CPU backend the GPU kernel in interpret mode), "pallas-gpu" / "pallas-tpu"
+(that platform's kernel, in interpret mode on any other backend) or "auto" (pallas on GPU/TPU when a kernel
+supports the shape and dtype, else xla; never the reference). The pallas values raise if no kernel supports the
+request.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ def _empty(spec, q, v, initial_state):
 
 def _run(op, implementation, spec, segment_ids, output_final_state, q, k, v, beta, *, k_write=None,
          log_decay=None, initial_state=None, scale=None):
-  if spec.packed and spec.num_segments is None and dispatch.normalize(op, implementation) == "pallas":
-    raise ValueError(f"{op}: `implementation`='pallas' with traced `segment_ids` needs N static: pass "
+  impl = dispatch.normalize(op, implementation)
+  if spec.packed and spec.num_segments is None and dispatch.is_pallas(impl):
+    raise ValueError(f"{op}: `implementation`={impl!r} with traced `segment_ids` needs N static: pass "
                      "`initial_state` of shape [N, HV, K, V] (zeros are fine), or use 'xla' or 'auto'")
   if spec.batch == 0 or spec.length == 0:
     o, S = _empty(spec, q, v, initial_state)
@@ -69,8 +72,8 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
       channel), natural log ≤ 0. initial_state: [B, HV, K, V] (default zeros; [N, HV, K, V] when packed).
     output_final_state: return the final state (else None). scale: default K ** -0.5.
     chunk_size: 16, 32, 64 or 128. segment_ids: None or [B, T] packed sequences (below).
-    implementation: "auto" | "reference" | "xla" | "pallas" (the module doc; packed, the kernels need N
-      static: from concrete ids or initial_state; else "auto" uses xla and "pallas" raises).
+    implementation: one of `dispatch.IMPLEMENTATIONS` (the module doc; packed, the kernels need N static: from
+      concrete ids or initial_state; else "auto" uses xla and the pallas values raise).
   Returns:
     (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] ([N, HV, K, V] when packed) in fp32 (fp64 for fp64
     inputs) or None).

@@ -10,9 +10,9 @@ compiled by TPU's XLA, so no array of the model is ever allocated. The report: p
 (`compiled.memory_analysis()`) against the chip's HBM, and the step's collectives (`train.collectives`).
 
 Topologies: "<chip>:<shape>" with chip v4, v5p (3-D shapes, e.g. 4x4x4) or v5e, v6e (2-D, e.g. 16x16); one
-device per chip (v4 and v5p as megacores). The implementation: "auto" compiles as "xla" (on a TPU backend auto
-would pick the solve's XLA path too, having no TPU kernel for it, but the PDN/ATQ second moment's TPU kernel);
-"pallas" is refused.
+device per chip (v4 and v5p as megacores). The implementation: "auto" compiles as "xla"; "pallas", "pallas-gpu" and
+"pallas-tpu" are refused (the host is not a TPU backend, so a kernel would be chosen for the host and run in
+interpret mode, not compiled by Mosaic for the topology).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from osdn_jax import models
+from osdn_jax.ops import dispatch
 from osdn_jax.train import collectives, configs, loop, mesh as mesh_lib, optim
 from osdn_jax.train.step import checked_train_step, graphdef, init_state, make_train_step
 
@@ -129,8 +130,9 @@ def compile_for_topology(config, topology: str, *, segments_per_row: int | None 
   `vocab_size(config)`. devices: the topology's devices when already made. hlo_path: where to write the
   optimised HLO text, if anywhere."""
   configs.validate(config)
-  if config.implementation == "pallas":
-    raise ValueError("aot: `implementation`='pallas' has no TPU kernel; use 'xla' or 'auto'")
+  if dispatch.is_pallas(config.implementation):
+    raise ValueError(f"aot: `implementation`={config.implementation!r} would run a kernel in interpret mode on this "
+                     "host, not compiled for the topology; use 'xla' or 'auto'")
   config = config.copy_and_resolve_references()
   with config.unlocked():
     if config.implementation == "auto":

@@ -12,7 +12,7 @@ Fields (every one overridable from the command line):
   point_options the point's preconditioner options (e.g. {"apf_anchor": "init"}; `dgps.get`); on the command line
                 the one field that takes new keys (`--config.point_options.x=2.0`; `define_config_flag`)
   dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
-  implementation, chunk_size   the solve's (`ops` vocabulary: auto | reference | xla | pallas)
+  implementation, chunk_size   the solve's (`ops.dispatch.IMPLEMENTATIONS`, or the alias "naive")
   remat         what a block keeps for the backward (`models.config.REMAT_POLICIES`)
   scan_layers   blocks as one `lax.scan` (True) or unrolled (False: faster for a few layers)
   seq_len, batch_size   tokens per row and rows per optimiser step over all devices
@@ -46,6 +46,7 @@ from ml_collections import config_flags
 
 from osdn_jax import dgps
 from osdn_jax.models.config import REMAT_POLICIES, config as model_config
+from osdn_jax.ops import dispatch
 from osdn_jax.train import mesh as mesh_lib
 
 DTYPES = ("float32", "bfloat16")
@@ -220,9 +221,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.data.get("source") == "tokens" and not c.data.get("path"):
     raise ValueError("train config: `data.path` must name a directory of prepared token shards for "
                      "data.source = tokens (`python -m osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR`)")
-  if c.implementation not in ("auto", "reference", "naive", "xla", "pallas"):
-    raise ValueError(f"train config: `implementation` must be auto, reference, xla or pallas, "
-                     f"got {c.implementation!r}")
+  if not isinstance(c.implementation, str) or c.implementation not in dispatch.NAMES:
+    raise ValueError(f"train config: `implementation` must be one of {dispatch.IMPLEMENTATIONS} (or 'naive', an "
+                     f"alias of 'reference'), got {c.implementation!r}")
 
 
 class _LockAllButPointOptions(flags.ArgumentParser):

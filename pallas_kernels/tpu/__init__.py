@@ -1,6 +1,6 @@
 """Pallas TPU kernels (Mosaic; TPU interpret mode on a CPU). Importing this package registers them with
-`pallas_kernels.lookup` for platform "tpu" only (a CPU backend keeps the GPU kernels in interpret mode; these are
-reachable there explicitly, with `interpret=True`):
+`pallas_kernels.lookup` for platform "tpu" only (`implementation="pallas"` on a CPU backend runs the GPU kernels in
+interpret mode; `implementation="pallas-tpu"` runs these there, in TPU interpret mode, as does `interpret=True`):
 
   "delta_rule"        `delta_rule.delta_rule`         the online solve (all three decays, GVA; unpacked)
   "linear_attention"  `delta_rule.linear_attention`   the offline solve through the same kernels
