@@ -3,8 +3,10 @@
 A tiny corpus in tmp_path (.txt, .jsonl, .jsonl.gz, with a record without the text field, a line that is not
 UTF-8, a line that is not JSON, a text that is not a string, a blank line and an empty file): the skips counted by
 reason; documents that decode back to their text in input order; byte-identical outputs from two runs (one with
-two workers); the bytes, bpe:N and tokenizer.json specs; a vocabulary too large for uint16; rows whose segments
-change exactly at document boundaries; the config errors; and a few training steps on the shards."""
+two workers); the files of small batches through the segment cache and of one document at a time; the bytes,
+bpe:N and tokenizer.json specs; a vocabulary too large for uint16; rows whose segments change exactly at document
+boundaries; the config errors; and a few training steps on the shards."""
+import functools
 import gzip
 import importlib.util
 import json
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 
 from osdn_jax import data
-from osdn_jax.data import pipeline, prepare, tokens
+from osdn_jax.data import pipeline, prepare, segments, tokens
 from osdn_jax.data.tokenizers import BPETokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -123,6 +125,29 @@ def test_two_runs_are_byte_identical_whatever_the_workers(corpus, tmp_path, monk
   assert a == b
   assert _files(tmp_path / "a") == _files(tmp_path / "b")
   assert len(a["splits"]["train"]["shards"]) > 1 and a["splits"]["validation"]["documents"] > 0
+
+
+@pytest.mark.parametrize("spec", ["bpe:320", "tokenizer.json"])
+def test_batches_write_the_files_of_one_document_at_a_time(corpus, tokenizer_json, tmp_path, monkeypatch, spec):
+  """Chunks of 5 records through the segment cache (kept small, so that it misses, finds, skips segments too long
+  to keep and starts afresh) write the files that encoding each document alone (`HFTokenizer.encode`) writes."""
+  spec = str(tokenizer_json) if spec == "tokenizer.json" else spec
+  monkeypatch.setattr(prepare, "CHUNK_RECORDS", 5)
+  monkeypatch.setattr(segments, "SegmentCache", functools.partial(segments.SegmentCache, max_segments=40,
+                                                                  max_bytes=6))
+  calls = []
+  monkeypatch.setattr(tokens.HFTokenizer, "encode_many", lambda self, texts, f=tokens.HFTokenizer.encode_many:
+                      calls.append(len(texts)) or f(self, texts))
+  batched = _run(corpus, tmp_path / "batched", spec, validation=0.2, shard_tokens=3000)
+  assert len(calls) > 10 and max(calls) == 5
+
+  def one_at_a_time(self, texts):
+    ids = [self.encode(t) for t in texts]
+    return np.concatenate(ids or [np.zeros(0, np.int32)]), np.array([len(i) for i in ids], np.int64)
+
+  monkeypatch.setattr(tokens.HFTokenizer, "encode_many", one_at_a_time)
+  assert _run(corpus, tmp_path / "alone", spec, validation=0.2, shard_tokens=3000) == batched
+  assert _files(tmp_path / "batched") == _files(tmp_path / "alone")
 
 
 def test_validation_split_partitions_the_documents(corpus, tmp_path):

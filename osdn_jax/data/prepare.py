@@ -21,7 +21,9 @@ Tokenizer SPEC (--tokenizer):
   PATH.model   a sentencepiece model; needs `sentencepiece`
 EOS: --eos_token, else "<eos>" for bytes and bpe, else the first of `tokens.EOS_CANDIDATES` the tokenizer holds
 (a sentencepiece model: its own eos id). Text is encoded without added special tokens, and text that spells a
-special token is encoded as ordinary text.
+special token is encoded as ordinary text. A chunk of documents is encoded in one call: through
+`segments.SegmentCache` (each distinct word encoded once, then found again) for a BPE that pre-tokenizes with
+GPT-2's byte-level regex (`segments.applies`: bpe:N's and GPT-2's family), else in one batch of the library.
 
 Output in DIR:
   train-00000.bin, ...    the split's documents' token ids, concatenated: flat little-endian uint16 (vocabulary
@@ -338,25 +340,27 @@ class _Encoder:
     a document), text bytes int64 [records])."""
     parsed = [_text(kind, item, self.text_field) for item in items]
     reasons = [r for _, _, r in parsed]
-    good = [i for i, r in enumerate(reasons) if r is None]
-    text_bytes = np.array([len(b) if b is not None else 0 for _, b, _ in parsed], np.int64)
+    good = np.array([i for i, r in enumerate(reasons) if r is None], np.int64)
+    ids, counts = self._encode([parsed[i][1 if self.kind == "bytes" else 0] for i in good])
+    empty = good[counts == 0]
+    for i in empty:
+      reasons[i] = "no_tokens"
     lengths = np.full(len(items), -1, np.int64)
-    if self.kind == "bytes":
-      pieces = [np.frombuffer(parsed[i][1], np.uint8) for i in good]
-    else:
-      pieces = [np.asarray(ids, np.int64) for ids in self.tokenizer.encode_batch([parsed[i][0] for i in good])]
-    for i, piece in zip(good, pieces):
-      if len(piece):
-        lengths[i] = len(piece)
-      else:
-        reasons[i] = "no_tokens"
-        text_bytes[i] = 0
-    pieces = [p for p in pieces if len(p)]
-    ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    lengths[good] = counts
+    lengths[empty] = -1
+    text_bytes = np.zeros(len(items), np.int64)
+    text_bytes[good] = [len(parsed[i][1]) for i in good]
+    text_bytes[empty] = 0
     if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
       raise ValueError(f"prepare: the tokenizer gave id {int(ids.max())} outside its vocabulary [0, "
                        f"{self.vocab_size})")
     return ids.astype(self.dtype), lengths, reasons, text_bytes
+
+  def _encode(self, texts: list) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [Σ counts] int, counts int64 [documents]) of the documents (bytes: their UTF-8 bytes, else str)."""
+    if self.kind == "bytes":
+      return np.frombuffer(b"".join(texts), np.uint8), np.fromiter(map(len, texts), np.int64, len(texts))
+    return self.tokenizer.encode_many(texts)
 
 
 DTYPES = tokens_lib.DTYPES
@@ -414,7 +418,7 @@ class _Writer:
       # Documents done..k fit (k: the first that brings the shard to shard_tokens, else the last).
       cross = np.flatnonzero(base + ends[done:] - start >= self.shard_tokens)
       k = done + (int(cross[0]) if cross.size else len(lengths) - done - 1)
-      data = ids[start:int(ends[k])].tobytes()
+      data = memoryview(ids[start:int(ends[k])]).cast("B")
       self._file.write(data)
       self._sha.update(data)
       self._offsets.frombytes((base + ends[done:k + 1] - start).astype(np.uint64).tobytes())

@@ -16,10 +16,13 @@ Imports numpy only; the tokenizer (HuggingFace `tokenizers` or `sentencepiece`) 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import pathlib
 
 import numpy as np
+
+from osdn_jax.data import segments
 
 FORMAT = "osdn-tokens"
 VERSION = 1
@@ -74,6 +77,7 @@ class HFTokenizer:
     from tokenizers import Tokenizer
     self._tokenizer = Tokenizer.from_file(str(path))
     self._tokenizer.encode_special_tokens = True
+    self._segments = None                            # encode_many's SegmentCache (False: none applies)
     vocab = self._tokenizer.get_vocab(with_added_tokens=True)
     self.vocab_size = max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
     self.eos_token = eos_token
@@ -88,9 +92,15 @@ class HFTokenizer:
     tokenizer = Tokenizer.from_file(str(path))
     return next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
+  def encode_many(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [Σ lengths] int, lengths int64 [len(texts)]): the texts' ids, concatenated, the same as encode's.
+    Through a `segments.SegmentCache` where it applies (each distinct word encoded once), else in one batch;
+    either way the tokenizer's rayon threads encode what it encodes, unless TOKENIZERS_PARALLELISM=false."""
+    if self._segments is None:
+      self._segments = segments.SegmentCache(self._tokenizer) if segments.applies(self._tokenizer) else False
+    if self._segments:
+      return self._segments.encode(texts)
+    return segments.encode_batch(self._tokenizer, texts)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
@@ -115,8 +125,11 @@ class SentencePieceTokenizer:
     else:
       self.eos_id = int(self._model.eos_id()) if self._model.eos_id() >= 0 else None
 
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    return self._model.encode(texts, out_type=int)
+  def encode_many(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [Σ lengths], lengths int64 [len(texts)]): the texts' ids, concatenated."""
+    ids = self._model.encode(texts, out_type=int)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum())), lengths
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._model.encode(text, out_type=int), np.int32)
