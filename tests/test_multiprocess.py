@@ -102,9 +102,11 @@ def test_one_and_two_processes_train_on_the_same_batches(two_processes, one_proc
   assert positions[0] == positions[1]
 
 
+@pytest.mark.slow
 def test_restart_resumes_exactly(two_processes, tmp_path):
   """The 2-process run restarted from its step-2 checkpoint (the later one removed): both processes restore
-  the state and the data position, and steps 3 and 4 log what the uninterrupted run logged."""
+  the state and the data position, and steps 3 and 4 log what the uninterrupted run logged (the quick suite
+  resumes a 2-process checkpoint on 1 process)."""
   whole, _ = two_processes
   workdir = tmp_path / "run"
   shutil.copytree(whole, workdir)
