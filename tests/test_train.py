@@ -276,7 +276,8 @@ _SHARDED = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("variant,meshes", [
-    ("pgdn", "combined"), pytest.param("pgdn", "separate", marks=pytest.mark.slow),
+    pytest.param("pgdn", "combined", marks=pytest.mark.slow),
+    pytest.param("pgdn", "separate", marks=pytest.mark.slow),
     pytest.param("osdn-apf-gdn", "combined,separate", marks=pytest.mark.slow)])
 def test_sharded_step_equals_one_device(variant, meshes):
   """Loss and every parameter's gradient equal the single-device step (fp32); the recurrence runs under
