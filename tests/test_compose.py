@@ -176,3 +176,55 @@ def test_a_custom_state_splits_over_context_shards_by_its_carry_rule(carry, tmp_
     assert max(errors) < 1e-5, out.stdout
   else:
     assert "without a carry rule" in out.stdout, out.stdout
+
+
+def test_a_state_that_breaks_its_declaration_is_a_named_error():
+  """The state a preconditioner returns is checked against its `state` declaration: one returned without a
+  declaration, a declared one not returned, one of another shape, and one that ignores packed rows (a state per
+  row where the point has one per segment) are ValueErrors, not states silently dropped or misplaced."""
+  def ema_any(state_decl, out=None):
+    def apply(c):
+      key, last = ema_scale(dataclasses.replace(c, options={"rho": 0.9}))
+      return key, (last if out is None else out(c, last))
+    return dgps.Axis(apply, sets=("k_write",), state=state_decl)
+  rerun = dgps.State(heads="H", carry="rerun")
+  cases = [
+      (ema_any(None), {}, "returned a state but declares none"),
+      (ema_any(rerun, lambda c, last: None), {}, "declares a state .* returned None"),
+      (ema_any(rerun, lambda c, last: last[:, :1]), {}, r"returned a state of shape \(2, 1, 8\)"),
+      (ema_any(rerun), {"segment_ids": jnp.array([[0] * 12 + [1] * 12, [2] * 5 + [3] * 19])},
+       r"returned a state of shape \(2, 2, 8\), .* \(4, 2, 8\)"),
+  ]
+  for axis, kw, message in cases:
+    point = dgps.compose(precond=axis)
+    with pytest.raises(ValueError, match=message):
+      point(*_inputs(point), output_final_state=True, **kw)
+  # A value that handles packed rows (the built-in PDN) returns one state per segment and passes.
+  point = dgps.compose(precond="pdn")
+  _, final = point(*_inputs(point), output_final_state=True, **cases[-1][1])
+  assert final["precond"].shape == (4, DIMS.heads, DIMS.key_dim)
+
+
+def test_check_point_holds_a_diagonal_carry_to_its_declaration():
+  """carry="diagonal" tells context parallelism to compose the shards' states as a ⊙ entering + b; `check_point`
+  checks that claim on the chained halves, so a pass that is not diagonal-affine in its state (here a clipped
+  one) fails it, while the same pass declared "rerun" passes."""
+  def clipped(c):
+    m0 = jnp.full((c.k.shape[0],) + c.k.shape[2:], 0.3, jnp.float32) if c.state is None else c.state
+    def step(m, a):
+      m = jnp.minimum(jnp.maximum(0.9 * m, jnp.abs(a)), 2.0)
+      return m, m
+    last, ms = jax.lax.scan(step, m0, jnp.moveaxis(c.k.astype(jnp.float32), 1, 0))
+    return {"k_write": (c.k / (jnp.moveaxis(ms, 0, 1) + 0.5)).astype(c.k.dtype)}, last
+  dims = dgps.Dims(heads=2, value_heads=2, key_dim=8, value_dim=8)
+  report = {carry: dgps.check_point(dgps.compose(precond=dgps.Axis(
+      clipped, sets=("k_write",), state=dgps.State(heads="H", init=lambda o: 0.3, carry=carry))), dims, length=13)
+      for carry in ("rerun", "diagonal")}
+  assert report["rerun"]["ok"], report
+  assert not report["diagonal"]["ok"] and report["diagonal"]["chaining"] > 1e-2, report
+  # The diagonal-affine second moment passes as declared.
+  assert dgps.check_point(dgps.compose(precond=EMA_DIAGONAL), dims, length=13)["ok"]
+
+
+EMA_DIAGONAL = dgps.Axis(ema_scale, sets=("k_write",), defaults={"rho": 0.9},
+                         state=dgps.State(heads="H", init=lambda o: 0.0, carry="diagonal"))

@@ -8,6 +8,8 @@ initial state:
   chunked    the chunked path (`implementation`, default "xla") against the point's token-serial reference
              composition ("reference"): the output and both final states;
   chaining   the sequence cut in two, the second call starting from the first's final state, against one call;
+             for a preconditioner state carried "diagonal" (`dgps.State`) also the second half's final state
+             composed as context parallelism composes it (a ⊙ entering + b, from entering states 0 and 1);
   decoding   `Point.step` token by token against the forward;
   gradients  the gradients of a random projection of the output with respect to q, k, v, every feature and
              parameter and the initial states, chunked against reference, all finite.
@@ -72,6 +74,15 @@ def check_point(point: Point, dims: Dims, *, seed: int = 0, length: int = 37, im
   first = run(implementation, q[:, :cut], k[:, :cut], v[:, :cut], part(feats, slice(None, cut)), params, state)
   second = run(implementation, q[:, cut:], k[:, cut:], v[:, cut:], part(feats, slice(cut, None)), params, first[1])
   report["chaining"] = _worst((jnp.concatenate([first[0], second[0]], 1), second[1]), fast)
+  st = point.axis("precond").state
+  if st is not None and st.carry == "diagonal":
+    # The declared carry: the second half's final state as a ⊙ entering + b, a and b from entering 0 and 1 (the
+    # maps context parallelism composes), against the second half run from the first's final state.
+    entering = first[1]["precond"]
+    from_ = lambda value: run(implementation, q[:, cut:], k[:, cut:], v[:, cut:], part(feats, slice(cut, None)),
+                              params, dict(first[1], precond=jnp.full_like(entering, value)))[1]["precond"]
+    b = from_(0.0)
+    report["chaining"] = max(report["chaining"], _rel((from_(1.0) - b) * entering + b, second[1]["precond"]))
 
   outs, s = [], state
   for t in range(length):

@@ -522,11 +522,44 @@ class Point:
     if set(written) - set(reads):
       raise ValueError(f"DGPS point {self.name!r}: precond {self.axis_name('precond')!r} returned "
                        f"{sorted(written)}, but the {self.axis_name('solve')!r} solve reads only {list(reads)}")
+    self._check_returned_state(p_state, q, v, precond_state, segment_ids)
     # Named for the rematerialisation policies that keep the preconditioner's pass (`models.config`).
     written = {n: checkpoint_name(x, "precond_pass") for n, x in written.items()}
     p_state = None if p_state is None else checkpoint_name(p_state, "precond_pass")
     return dict(q=q, k=k, v=v, beta=beta, log_decay=log_decay, k_write=written.get("k_write"),
                 q_tilde=written.get("q_tilde"), precond_state=p_state)
+
+  def _check_returned_state(self, p_state, q, v, entering, segment_ids) -> None:
+    """The preconditioner's final state against its `state` declaration: None for a value that declares none;
+    for a stateful one [rows, heads, K] with rows the entering state's, else B (one per row), else N counted
+    from concrete `segment_ids` (one per segment). Where N is unknown (traced ids and no entering state) the
+    value may return None, as the built-in passes do, and the rows are not checked."""
+    owner = f"DGPS point {self.name!r}: precond {self.axis_name('precond')!r}"
+    st = self.axis("precond").state
+    if st is None:
+      if p_state is not None:
+        raise ValueError(f"{owner} returned a state but declares none (its `state` is None): declare it with "
+                         "dgps.State(heads, init, carry) so that it is carried, or return None")
+      return
+    if entering is not None:
+      rows = np.shape(entering)[0]
+    elif segment_ids is None:
+      rows = np.shape(q)[0]
+    else:
+      rows = precond_fns.num_segments(segment_ids, None)
+    g = np.shape(q)[2] if st.heads == "H" else np.shape(v)[2]
+    layout = f"[{'B' if segment_ids is None else 'N'}, {st.heads}, K]"
+    if p_state is None:
+      if rows is None:
+        return
+      raise ValueError(f"{owner} declares a state {layout} = {(rows, g, np.shape(q)[3])} but returned None; "
+                       "`apply` returns (its outputs, the state after the last token)")
+    want = (rows, g, np.shape(q)[3])
+    shape = tuple(np.shape(p_state))
+    if len(shape) != 3 or shape[1:] != want[1:] or (rows is not None and shape[0] != rows):
+      packed = "" if segment_ids is None else " (one per packed segment: `apply` receives `segment_ids`)"
+      raise ValueError(f"{owner} returned a state of shape {shape}, but its declaration (`State.heads` "
+                       f"{st.heads!r}) makes it {layout} = {want}{packed}")
 
   def __call__(self, q, k, v, features, params, *, state=None, output_final_state=False, scale=None,
                chunk_size=64, segment_ids=None, implementation="auto", context=None):

@@ -18,9 +18,15 @@ def _combine(earlier, later):
 
 
 def _combine_reset(earlier, later):
-  """As `_combine`, but where the later part holds a reset the earlier part is dropped."""
+  """As `_combine`, but where the later part holds a reset the earlier part is dropped.
+
+  The dropped part is also replaced before it is multiplied: the branch a `where` does not take still gets a zero
+  cotangent in the backward, and a2's gradient through a2 · b1 would be 0 · b1, NaN for a non-finite b1 of an
+  earlier sequence (docs/faults.md). The values are those of the plain select."""
   a1, b1, r1 = earlier
   a2, b2, r2 = later
+  a1 = jnp.where(r2, jnp.ones((), a1.dtype), a1)
+  b1 = jnp.where(r2, jnp.zeros((), b1.dtype), b1)
   return jnp.where(r2, a2, a2 * a1), jnp.where(r2, b2, a2 * b1 + b2), r1 | r2
 
 
