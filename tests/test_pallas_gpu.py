@@ -1,7 +1,8 @@
 """The Pallas GPU delta-rule kernels in interpret mode on CPU: outputs, final states and every input gradient
 against the chunked XLA path and the fp64 token-serial oracle (docs/design.md §4 tolerances); poisoned outputs;
-dispatch; and (where the installed jaxlib can) lowering to Triton IR without TF32 dots. Random shapes, packings
-and gates against the oracle: tests/test_properties.py (PallasDeltaRuleTest).
+dispatch; and (where the installed jaxlib can) lowering to Triton IR without TF32 dots. The cases every backend
+runs (every decay, fp32 and bf16, at the default launch config): tests/test_conformance_delta_rule.py; random
+shapes, packings and gates against the oracle: tests/test_properties.py (PallasDeltaRuleTest).
 
 Interpret mode is slow: small shapes, and each test case combines several features.
 """
@@ -18,6 +19,7 @@ from jax.experimental import pallas as pl
 import pallas_kernels
 from osdn_jax import ops
 from osdn_jax.ops import checks, chunked, naive
+from conformance import compare, jit_vjp_all, solve
 from osdn_jax.testing import (FP32_TOL, assert_trees_close, close, contract_dtypes, random_problem, rel_rms,
                              vjp_all)
 from pallas_kernels.gpu import delta_rule as gpu
@@ -27,13 +29,12 @@ from pallas_kernels.gpu.delta_rule.config import DEFAULT
 from pallas_kernels.spec import Spec
 
 DECAYS = ("none", "scalar", "channel")
-# (T, chunk, H, HV, k_write, initial state, also against XLA, config): odd T with GVA, asymmetric value-head
-# write keys and a state; T a multiple of the chunk with shared keys, no state, V split over two blocks in
-# every kernel; the inter-chunk output formed by the state pass (fuse_inter) with key-head write keys, GVA and
-# an output V block smaller than V. (The bf16 cases add key-head write keys with GVA.)
+# (T, chunk, H, HV, k_write, initial state, also against XLA, config): T a multiple of the chunk with shared keys,
+# no state, V split over two blocks in every kernel; the inter-chunk output formed by the state pass (fuse_inter)
+# with key-head write keys, GVA and an output V block smaller than V. (Odd T with GVA, asymmetric write keys and a
+# state, fp32 and bf16, at the default config: tests/test_conformance_delta_rule.py.)
 _SPLIT_V = DEFAULT.override(state__block_v=16, output__block_v=16, grads__block_v=16, grads__block_v_fp32=16)
-VARIANTS = {"gva-asym-odd": (45, 16, 2, 4, "value", True, True, DEFAULT),
-            "mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V),
+VARIANTS = {"mha-same": (64, 32, 2, 2, "none", False, False, _SPLIT_V),
             "fused-inter": (45, 16, 2, 4, "key", True, False,
                             DEFAULT.override(state__fuse_inter=True, output__block_v=16))}
 
@@ -46,35 +47,15 @@ def _poison():
     yield
 
 
-def _fn(impl, **kw):
-  def fn(q, k, v, beta, k_write, log_decay, initial_state):
-    return impl.delta_rule(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state,
-                           **kw)
-  return fn
-
-
-def _oracle(problem, dtype):
-  ref = problem.rounded(dtype) if dtype != jnp.float32 else problem
-  return vjp_all(_fn(naive), ref.arrays(jnp.float64, jnp.float64, jnp.float64))
-
-
 def _compare(problem, dtype, chunk, *, xla=True, **kw):
-  """Pallas (interpret) against the fp64 oracle (results in the contract's dtypes), and against the chunked XLA
-  path in fp32."""
-  arrays = problem.arrays(dtype)
-  got = vjp_all(_fn(gpu, chunk_size=chunk, **kw), arrays)
-  want = {n: w for n, w in _oracle(problem, dtype).items() if n in got}
-  errors = assert_trees_close(got, want, dtype, dtypes=contract_dtypes(arrays))
-  if xla and dtype == jnp.float32:
-    other = vjp_all(_fn(chunked, chunk_size=chunk), problem.arrays(dtype))
-    assert_trees_close(got, other, dtype)
-  return errors
+  """These kernels (interpret mode, launch options `kw`) against the fp64 oracle and, where `xla`, the chunked XLA
+  path in fp32 (`conformance.compare`)."""
+  return compare(solve(gpu.delta_rule, chunk_size=chunk, **kw), problem, dtype, xla_chunk=chunk if xla else None)
 
 
-# `make test`: the general case (gva-asym-odd) at every decay, each other variant at one decay; the slow step: the
-# rest of the product.
+# `make test`: each variant at one decay; the slow step: the rest of the product.
 COVERING_FP32 = {("scalar", "mha-same"), ("channel", "fused-inter")}
-FP32_CASES = [pytest.param(d, v, marks=[] if v == "gva-asym-odd" or (d, v) in COVERING_FP32 else [pytest.mark.slow])
+FP32_CASES = [pytest.param(d, v, marks=[] if (d, v) in COVERING_FP32 else [pytest.mark.slow])
               for d in DECAYS for v in VARIANTS]
 
 
@@ -84,12 +65,6 @@ def test_fp32(decay, variant):
   t, chunk, h, hv, kw, s0, xla, config = VARIANTS[variant]
   p = random_problem(t + hv, B=1, T=t, H=h, HV=hv, K=16, V=32, decay=decay, k_write=kw, initial_state=s0)
   _compare(p, jnp.float32, chunk, xla=xla, config=config)
-
-
-@pytest.mark.parametrize("decay", DECAYS)
-def test_bf16(decay):
-  p = random_problem(7, B=1, T=45, H=2, HV=4, K=16, V=32, decay=decay, k_write="key")
-  _compare(p, jnp.bfloat16, 16)
 
 
 def _pallas_calls(fn, *args):
@@ -122,7 +97,7 @@ def test_bf16_gradients_leave_the_kernels_in_bf16(decay, k_write):
   _compare(p, jnp.bfloat16, 16)
   finish = "delta_rule_grads_pairs" if decay == "channel" else "delta_rule_grads_finish"
   dtypes = {}
-  for name, eqn in _pallas_calls(lambda a: vjp_all(_fn(gpu, chunk_size=16), a), p.arrays(jnp.bfloat16)):
+  for name, eqn in _pallas_calls(lambda a: vjp_all(solve(gpu.delta_rule, chunk_size=16), a), p.arrays(jnp.bfloat16)):
     for kernel in (finish, "delta_rule_grads_intra"):
       if kernel in name:
         dtypes[kernel] = [jnp.dtype(v.aval.dtype).name for v in eqn.outvars]
@@ -167,7 +142,8 @@ def test_predecay():
   tests cover that path), and the two paths equal (the same bf16 operands, formed in another kernel)."""
   p = random_problem(18, B=2, T=45, H=1, HV=2, K=32, V=16, decay="channel", k_write="value", initial_state=True)
   _compare(p, jnp.float32, 16, config=DEFAULT.override(state__predecay=False))
-  got, want = (vjp_all(_fn(gpu, chunk_size=16, config=DEFAULT.override(state__predecay=pre)), p.arrays(jnp.bfloat16))
+  got, want = (jit_vjp_all(solve(gpu.delta_rule, chunk_size=16, config=DEFAULT.override(state__predecay=pre)),
+                           p.arrays(jnp.bfloat16))
                for pre in (True, False))
   assert set(got) == set(want)
   for name in got:
@@ -195,8 +171,8 @@ def test_extreme_gates(factor_diag, chunk):
   p.beta[:, 12:14] = 0.0
   p.beta[:, 20:22] = 1.0
   config = DEFAULT.override(diagonal__factor=factor_diag)
-  got = vjp_all(_fn(gpu, chunk_size=chunk, config=config), p.arrays(jnp.float32))
-  want = vjp_all(_fn(chunked, chunk_size=16), p.arrays(jnp.float32))
+  got = jit_vjp_all(solve(gpu.delta_rule, chunk_size=chunk, config=config), p.arrays(jnp.float32))
+  want = jit_vjp_all(solve(chunked.delta_rule, chunk_size=16), p.arrays(jnp.float32))
   assert_trees_close(got, want, jnp.float32)
 
 
@@ -210,7 +186,7 @@ def test_scores_first():
                      decay_bias=0.0)
   a = p.arrays(jnp.float32)
   config = DEFAULT.override(scores__block_k=16)
-  grads = lambda chunk: lambda a: vjp_all(_fn(gpu, chunk_size=chunk, config=config), a)
+  grads = lambda chunk: lambda a: vjp_all(solve(gpu.delta_rule, chunk_size=chunk, config=config), a)
   assert "scores" in _kernel_names(grads(64), a)
   assert "scores" not in _kernel_names(grads(16), a)
   _compare(p, jnp.float32, 64, config=config)
@@ -242,14 +218,14 @@ def test_wide_forward(case):
     p.beta[:, 20:22] = 1.0
   a = p.arrays(jnp.float32)
   run = lambda impl, **kw: dict(zip("oS", impl(**a, **kw)))
-  fwd = lambda **arrays: _fn(gpu, config=config)(**arrays)
+  fwd = lambda **arrays: solve(gpu.delta_rule, config=config)(**arrays)
   names = _kernel_names(lambda a: fwd(**a), a)
   assert "scores" in names and ("decayed_tiles" in names) == (not config.scores.tiles)
   assert "scores" not in _kernel_names(lambda a: jax.vjp(lambda q: fwd(**dict(a, q=q)), a["q"])[0], a)
   got = run(jax.jit(fwd))
-  want = dict(zip("oS", _fn(naive)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
+  want = dict(zip("oS", solve(naive.delta_rule)(**p.arrays(jnp.float64, jnp.float64, jnp.float64))))
   assert_trees_close(got, want, jnp.float32)
-  assert_trees_close(got, run(_fn(chunked, chunk_size=16)), jnp.float32)
+  assert_trees_close(got, run(solve(chunked.delta_rule, chunk_size=16)), jnp.float32)
 
 
 def test_scores_kernel():
@@ -289,22 +265,6 @@ def test_scores_kernel():
     got = np.asarray(got).reshape(b, hv, t // c, c, c)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
-
-
-def test_chaining_and_traced_scale():
-  """Two halves through the final state equal one run; a traced scale equals the same static one."""
-  p = random_problem(11, B=1, T=48, H=2, HV=2, K=16, V=16, decay="scalar", k_write="key")
-  a = p.arrays(jnp.float32)
-  o, s = gpu.delta_rule(**a, chunk_size=16)
-  half = lambda x, sl: None if x is None else x[:, sl]
-  first = {n: (half(x, slice(0, 24)) if n != "initial_state" else x) for n, x in a.items()}
-  second = {n: (half(x, slice(24, 48)) if n != "initial_state" else x) for n, x in a.items()}
-  o1, s1 = gpu.delta_rule(**first, chunk_size=16)
-  o2, s2 = gpu.delta_rule(**dict(second, initial_state=s1), chunk_size=16)
-  assert close(jnp.concatenate([o1, o2], axis=1), o, *FP32_TOL) and close(s2, s, *FP32_TOL)
-  o3, _ = jax.jit(lambda sc: gpu.delta_rule(**a, scale=sc, chunk_size=16))(jnp.float32(0.3))
-  o4, _ = gpu.delta_rule(**a, scale=0.3, chunk_size=16)
-  assert close(o3, o4, *FP32_TOL)
 
 
 def test_dispatch():
@@ -392,7 +352,7 @@ def test_log_decay_dtypes():
 
 def test_scalar_chunk_cumsum():
   """The wrapper's scalar-decay in-chunk cumsum and its transpose equal jnp.cumsum's per chunk."""
-  from pallas_kernels.gpu.delta_rule.api import _chunk_cumsum
+  from pallas_kernels.wrapper_math import chunk_cumsum as _chunk_cumsum
   rng = np.random.default_rng(3)
   g, w = (jnp.asarray(rng.normal(size=(2, 48, 3)), jnp.float32) for _ in range(2))
   ref = lambda g: jnp.cumsum(g.reshape(2, 3, 16, 3), axis=2).reshape(g.shape)
@@ -417,7 +377,7 @@ def test_fused_inter_packed(decay):
                             segment_ids=ids, num_segments=4, chunk_size=16,
                             config=DEFAULT.override(state__fuse_inter=fuse,
                                               state__predecay=fuse))
-    return vjp_all(fn, p.arrays(jnp.float32))
+    return jit_vjp_all(fn, p.arrays(jnp.float32))
   got, want = run(True), run(False)
   assert set(got) == set(want) and len(got) >= 7, sorted(got)
   assert_trees_close(got, want, jnp.float32)
@@ -583,10 +543,10 @@ def test_linear_attention_fp32(decay):
   the XLA path, odd T, GVA, an initial state, β given; and β = None (1) through the public API."""
   p = random_problem(21, B=1, T=45, H=2, HV=4, K=16, V=32, decay=decay)
   arrays = p.arrays(jnp.float32)
-  got = vjp_all(_offline(gpu, chunk_size=16), arrays)
-  want = vjp_all(_offline(naive), p.arrays(jnp.float64, jnp.float64, jnp.float64))
+  got = jit_vjp_all(_offline(gpu, chunk_size=16), arrays)
+  want = jit_vjp_all(_offline(naive), p.arrays(jnp.float64, jnp.float64, jnp.float64))
   assert_trees_close(got, {n: w for n, w in want.items() if n in got}, jnp.float32, dtypes=contract_dtypes(arrays))
-  assert_trees_close(got, vjp_all(_offline(chunked, chunk_size=16), arrays), jnp.float32)
+  assert_trees_close(got, jit_vjp_all(_offline(chunked, chunk_size=16), arrays), jnp.float32)
   run = lambda impl: ops.linear_attention(arrays["q"], arrays["k"], arrays["v"], log_decay=arrays["log_decay"],
                                           output_final_state=True, chunk_size=16, implementation=impl)
   assert_trees_close(dict(zip("oS", run("pallas"))), dict(zip("oS", run("xla"))), jnp.float32)

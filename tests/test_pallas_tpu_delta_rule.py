@@ -1,10 +1,11 @@
 """The Pallas TPU (Mosaic) delta rule, forward and backward: in the TPU interpreter on CPU against the fp64
-token-serial oracle and the chunked XLA path (outputs, final states and every input gradient; every decay, odd
-lengths, asymmetric write keys, grouped value heads, carried states, extreme gates, both token layouts, split V;
-the offline solve through the same kernels), the matmul-only (I + A)⁻¹ and the per-channel scores and their
-transposes, a check that the kernels hold no 64-bit value under x64, the dispatch registration and, where libtpu
-is installed, ahead-of-time compilation by the real Mosaic compiler for TPU v5e, v5p and v6e at the benchmark
-shapes in bf16 (the memory figures are printed and recorded as test properties).
+token-serial oracle and the chunked XLA path (outputs, final states and every input gradient; long and one-chunk
+sequences, padded dims, extreme gates, both token layouts, split V, packing; the offline solve through the same
+kernels; the cases every backend runs, every decay with odd lengths, asymmetric write keys, grouped value heads
+and carried states in fp32 and bf16, are tests/test_conformance_delta_rule.py's), the matmul-only (I + A)⁻¹ and
+the per-channel scores and their transposes, a check that the kernels hold no 64-bit value under x64, the dispatch
+registration and, where libtpu is installed, ahead-of-time compilation by the real Mosaic compiler for TPU v5e,
+v5p and v6e at the benchmark shapes in bf16 (the memory figures are printed and recorded as test properties).
 
 Interpret mode is slow: small shapes, and each case combines several features.
 """
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
+from conformance import compare, jit_vjp_all, solve
 from osdn_jax.ops import chunked, naive
 from osdn_jax.testing import assert_trees_close, contract_dtypes, random_problem, rel_rms, vjp_all
 from pallas_kernels.spec import Spec
@@ -31,49 +33,25 @@ from pallas_kernels.tpu.delta_rule.layout import interpret_mode
 DECAYS = ("none", "scalar", "channel")
 
 
-def _run(fn, arrays, **kw):
-  a = arrays
-  return fn(a["q"], a["k"], a["v"], a["beta"], k_write=a["k_write"], log_decay=a["log_decay"],
-            initial_state=a["initial_state"], **kw)
-
-
-def _fn(fn, **kw):
-  """fn as `vjp_all` calls it: every array by name."""
-  def call(q, k, v, beta, k_write, log_decay, initial_state):
-    return fn(q, k, v, beta, k_write=k_write, log_decay=log_decay, initial_state=initial_state, **kw)
-  return call
-
-
-def _oracle(problem, dtype):
-  ref = problem.rounded(dtype) if dtype != jnp.float32 else problem
-  return vjp_all(_fn(naive.delta_rule), ref.arrays(jnp.float64, jnp.float64, jnp.float64))
-
-
 def _compare(problem, dtype, chunk, *, xla=True, config=tpu.DEFAULT):
-  """The kernels (interpret mode) against the fp64 oracle at §4's tolerance for `dtype` — o, S_T and the gradient
-  of every input under random cotangents, in the contract's dtypes — and against the XLA path in fp32 (also §4's
-  fp32 tolerance). Returns the errors against the oracle."""
-  arrays = problem.arrays(dtype)
-  got = vjp_all(_fn(tpu.delta_rule, chunk_size=chunk, interpret=True, config=config), arrays)
-  errors = assert_trees_close(got, _oracle(problem, dtype), dtype, dtypes=contract_dtypes(arrays))
-  if xla and dtype == jnp.float32:
-    assert_trees_close(got, vjp_all(_fn(chunked.delta_rule, chunk_size=chunk), arrays), dtype)
-  return errors
+  """The kernels (interpret mode, `config`) against the fp64 oracle and, where `xla`, the chunked XLA path in fp32
+  (`conformance.compare`). Returns the errors against the oracle."""
+  return compare(solve(tpu.delta_rule, chunk_size=chunk, interpret=True, config=config), problem, dtype,
+                 xla_chunk=chunk if xla else None)
 
 
-# (T, chunk, H, HV, K, V, k_write, initial state, config): odd T shorter than three chunks with GVA, value-head write
-# keys and a carried state (head-major layout, K and V below 128); T = 100 at chunk 64 (four per-channel
-# sub-blocks) with shared keys and no state; K = V = 128 in the token layout with key-head write keys, GVA and V
-# split over two programs (V = 256); T = 5 in one chunk of 64, three value heads per key head, K = 20 and V = 24
-# (padded to 32). `make test`: every decay on the first, one decay on each other.
+# (T, chunk, H, HV, K, V, k_write, initial state, config): T = 100 at chunk 64 (four per-channel sub-blocks) with
+# shared keys and no state; K = V = 128 in the token layout with key-head write keys, GVA and V split over two
+# programs (V = 256); T = 5 in one chunk of 64, three value heads per key head, K = 20 and V = 24 (padded to 32).
+# `make test`: one decay on each. (Odd T with GVA, asymmetric write keys and a carried state in the head-major
+# layout, every decay, fp32 and bf16: tests/test_conformance_delta_rule.py.)
 VARIANTS = {
-    "gva-asym-odd": (37, 16, 2, 4, 16, 32, "value", True, tpu.DEFAULT),
     "same-keys-100": (100, 64, 2, 2, 16, 16, "none", False, tpu.DEFAULT),
     "tokens-split-v": (45, 16, 1, 2, 128, 256, "key", True, Config(block_v=128)),
     "short-padded": (5, 64, 1, 3, 20, 24, "value", True, tpu.DEFAULT),
 }
 _COVERING = {("channel", "same-keys-100"), ("scalar", "tokens-split-v"), ("none", "short-padded")}
-CASES = [pytest.param(d, v, marks=[] if v == "gva-asym-odd" or (d, v) in _COVERING else [pytest.mark.slow])
+CASES = [pytest.param(d, v, marks=[] if (d, v) in _COVERING else [pytest.mark.slow])
          for d in DECAYS for v in VARIANTS]
 
 
@@ -84,15 +62,13 @@ def test_fp32(decay, variant, races):
   _compare(p, jnp.float32, chunk, config=config)
 
 
-@pytest.mark.parametrize("decay,bf16_matmuls", [("scalar", True), ("channel", True),
-                                                pytest.param("scalar", False, marks=pytest.mark.slow)])
-def test_bf16(decay, bf16_matmuls, races):
-  """bf16 inputs against the oracle on the same bf16 values; with every dot in fp32 the state is as accurate as
-  fp32 arithmetic allows (the error is o's rounding to bf16)."""
-  p = random_problem(5, B=2, T=45, H=1, HV=2, K=16, V=32, decay=decay, k_write="value")
-  errors = _compare(p, jnp.bfloat16, 32, config=Config(bf16_matmuls=bf16_matmuls))
-  if not bf16_matmuls:
-    assert errors["S"] < 1e-5, errors
+@pytest.mark.slow
+def test_bf16_fp32_matmuls(races):
+  """bf16 inputs with every dot in fp32 (`Config.bf16_matmuls` False): the state as accurate as fp32 arithmetic
+  allows (the error is o's rounding to bf16)."""
+  p = random_problem(5, B=2, T=45, H=1, HV=2, K=16, V=32, decay="scalar", k_write="value")
+  errors = _compare(p, jnp.bfloat16, 32, config=Config(bf16_matmuls=False))
+  assert errors["S"] < 1e-5, errors
 
 
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
@@ -175,10 +151,10 @@ def test_packed(decay, races):
   p = random_problem(seed, B=2, T=45, H=1, HV=2, K=16, V=16, decay=decay, k_write="value", initial_state=False)
   p.initial_state = np.random.default_rng(seed).normal(size=(n, 2, 16, 16)) / 4.0
   index = packing.segment_index(ids)
-  got = vjp_all(_fn(tpu.delta_rule, chunk_size=16, interpret=True, segment_ids=index, num_segments=n),
-                p.arrays(jnp.float32))
-  want = vjp_all(_fn(ops.delta_rule, segment_ids=ids, output_final_state=True, implementation="reference"),
-                 p.arrays(jnp.float64, jnp.float64, jnp.float64))
+  got = jit_vjp_all(solve(tpu.delta_rule, chunk_size=16, interpret=True, segment_ids=index, num_segments=n),
+                    p.arrays(jnp.float32))
+  want = jit_vjp_all(solve(ops.delta_rule, segment_ids=ids, output_final_state=True, implementation="reference"),
+                     p.arrays(jnp.float64, jnp.float64, jnp.float64))
   assert_trees_close(got, want, jnp.float32, dtypes=contract_dtypes(p.arrays(jnp.float32)))
 
 
@@ -192,7 +168,7 @@ def test_packed_fault_stays_in_its_segment(races):
   index = np.asarray(packing.segment_index(ids))
   p = random_problem(34, B=2, T=45, H=1, HV=2, K=16, V=16, decay="scalar", k_write="value", initial_state=False)
   p.initial_state = np.random.default_rng(34).normal(size=(n, 2, 16, 16)) / 4.0
-  fn = _fn(tpu.delta_rule, chunk_size=16, interpret=True, segment_ids=jnp.asarray(index), num_segments=n)
+  fn = solve(tpu.delta_rule, chunk_size=16, interpret=True, segment_ids=jnp.asarray(index), num_segments=n)
   clean = vjp_all(fn, p.arrays(jnp.float32))
   b, t = 0, 20                                              # row 0, token 20: segment 2 (tokens 17 … 29)
   p.k[b, t, 0, 3] = np.nan
@@ -243,7 +219,7 @@ def test_layouts_agree():
   included."""
   p = random_problem(12, B=1, T=24, H=1, HV=2, K=128, V=128, decay="scalar", k_write="value")
   a = p.arrays(jnp.float32)
-  got = [vjp_all(_fn(tpu.delta_rule, chunk_size=16, interpret=True, config=Config(layout=layout)), a)
+  got = [jit_vjp_all(solve(tpu.delta_rule, chunk_size=16, interpret=True, config=Config(layout=layout)), a)
          for layout in ("tokens", "head_major")]
   for name in got[0]:
     np.testing.assert_allclose(got[0][name], got[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -263,11 +239,11 @@ def test_linear_attention(decay, races):
     return call
 
   arrays = {n: a[n] for n in ("q", "k", "v", "beta", "log_decay", "initial_state")}
-  got = vjp_all(fn(tpu, chunk_size=16, interpret=True), arrays)
+  got = jit_vjp_all(fn(tpu, chunk_size=16, interpret=True), arrays)
   ref = p.arrays(jnp.float64, jnp.float64, jnp.float64)
-  want = vjp_all(fn(naive), {n: ref[n] for n in arrays})
+  want = jit_vjp_all(fn(naive), {n: ref[n] for n in arrays})
   assert_trees_close(got, want, jnp.float32)
-  assert_trees_close(got, vjp_all(fn(chunked, chunk_size=16), arrays), jnp.float32)
+  assert_trees_close(got, jit_vjp_all(fn(chunked, chunk_size=16), arrays), jnp.float32)
   o, _ = tpu.linear_attention(a["q"], a["k"], a["v"], log_decay=a["log_decay"], chunk_size=16, interpret=True)
   o2, _ = chunked.linear_attention(a["q"], a["k"], a["v"], log_decay=a["log_decay"], chunk_size=16)
   assert rel_rms(o, o2) < 1e-5
@@ -288,16 +264,6 @@ def test_registration():
   assert tpu.supports(Spec(op="delta_rule", platform="tpu", packed=True, num_segments=3, **request))
   assert not tpu.supports(Spec(op="delta_rule", platform="tpu", packed=True, num_segments=None, **request))
   assert not tpu.supports(Spec(op="delta_rule", platform="gpu", **request))
-
-
-def test_traced_scale():
-  """A traced scale (applied to q outside the kernel) gives what the XLA path gives for that scale."""
-  p = random_problem(13, B=1, T=20, H=1, HV=1, K=16, V=16, decay="none", initial_state=False)
-  a = p.arrays(jnp.float32)
-  f = jax.jit(lambda s: _run(tpu.forward, a, chunk_size=16, interpret=True, scale=s))
-  o, S = f(jnp.float32(0.3))
-  o2, S2 = _run(chunked.delta_rule, a, chunk_size=16, scale=0.3)
-  assert_trees_close({"o": o, "S": S}, {"o": o2, "S": S2}, jnp.float32)
 
 
 @pytest.mark.parametrize("c", [16, 32, 64, 128])
@@ -331,7 +297,7 @@ def test_interpret_mode_detects_races():
     return
   assert isinstance(mode, params) and mode.detect_races
   p = random_problem(14, B=2, T=40, H=1, HV=2, K=16, V=16, decay="scalar")
-  jax.block_until_ready(vjp_all(_fn(tpu.delta_rule, chunk_size=16, interpret=True), p.arrays(jnp.float32)))
+  jax.block_until_ready(vjp_all(solve(tpu.delta_rule, chunk_size=16, interpret=True), p.arrays(jnp.float32)))
   try:   # private: the interpreter's race record
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     races = ipc.races
@@ -343,13 +309,13 @@ def test_interpret_mode_detects_races():
 def test_bad_inputs():
   a = random_problem(15, B=1, T=16, H=2, HV=4, K=16, V=16).arrays(jnp.float32)
   with pytest.raises(ValueError, match="log_decay"):
-    _run(tpu.forward, dict(a, log_decay=a["log_decay"][..., None, :]), interpret=True)
+    solve(tpu.forward, interpret=True)(**dict(a, log_decay=a["log_decay"][..., None, :]))
   with pytest.raises(ValueError, match="chunk_size"):
-    _run(tpu.forward, a, chunk_size=24, interpret=True)
+    solve(tpu.forward, chunk_size=24, interpret=True)(**a)
   with pytest.raises(ValueError, match="dtype"):
-    _run(tpu.forward, dict(a, q=a["q"].astype(jnp.float16)), interpret=True)
+    solve(tpu.forward, interpret=True)(**dict(a, q=a["q"].astype(jnp.float16)))
   with pytest.raises(ValueError, match="block_v"):
-    _run(tpu.forward, a, interpret=True, config=Config(block_v=8))
+    solve(tpu.forward, interpret=True, config=Config(block_v=8))(**a)
   with pytest.raises(ValueError, match="layout"):
     Config(layout="rows")
   with pytest.raises(ValueError, match="sub"):
@@ -358,9 +324,9 @@ def test_bad_inputs():
   assert tpu.config_for("TPU v5 lite") == tpu.config_for("v5p:2x2x1") == tpu.DEFAULT
   assert tpu.config_for() == tpu.DEFAULT                                     # this backend is a CPU
   with pytest.raises(ValueError, match="segment_ids"):
-    _run(tpu.delta_rule, a, interpret=True, segment_ids=jnp.zeros((1, 15), jnp.int32), num_segments=1)
+    solve(tpu.delta_rule, interpret=True, segment_ids=jnp.zeros((1, 15), jnp.int32), num_segments=1)(**a)
   with pytest.raises(ValueError, match="num_segments"):
-    _run(tpu.delta_rule, a, interpret=True, segment_ids=jnp.zeros((1, 16), jnp.int32))
+    solve(tpu.delta_rule, interpret=True, segment_ids=jnp.zeros((1, 16), jnp.int32))(**a)
 
 
 def _sub_jaxprs(eqn):
@@ -415,7 +381,7 @@ def test_kernel_is_32_bit_under_x64(decay, k_write):
   indices and aborts the process on a 64-bit vector, which interpret mode would run without complaint."""
   p = random_problem(16, B=1, T=20, H=1, HV=2, K=16, V=16, decay=decay, k_write=k_write)
   a = p.arrays(jnp.float32)
-  call = _fn(tpu.delta_rule, chunk_size=16, interpret=True)
+  call = solve(tpu.delta_rule, chunk_size=16, interpret=True)
   dtypes, calls = _kernel_dtypes(lambda q: vjp_all(call, dict(a, q=q)), a["q"])
   assert calls == 2, calls                       # the forward and the backward kernel
   assert dtypes and all(d.itemsize <= 4 for d in dtypes), dtypes

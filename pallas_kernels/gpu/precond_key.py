@@ -47,6 +47,7 @@ from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec, is_pow2
+from pallas_kernels.wrapper_math import head_major, pad_tokens, padded_length, pdn_scale, precond_transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,29 +101,16 @@ class Static:
 # In-kernel math. Rows of a chunk are [BK] fp32 register values; every row is loaded before the first store (a
 # load after a store to a ref that may alias it could not be issued earlier), the recurrence runs row by row.
 # ---------------------------------------------------------------------------------------------------------
-def pdn_scale(A, centre, x: float, eps: float):
-  """(M, u = 1 / (1 + |z|)) for A and the centre (broadcasting register values), z = log(A + ε) − c."""
-  z = jnp.log(A + eps) - centre
-  u = 1.0 / (1.0 + jnp.abs(z))
-  return jnp.exp(-math.log(x) * z * u), u
-
-
-def _pdn_scale(st, A, centre):
-  return pdn_scale(A, centre, st.x, st.eps)
-
-
 def _transform(st, A, k, p):
   """y [BK] from A, k and p: the centre (pdn) or q (atq)."""
-  if st.pdn:
-    return _pdn_scale(st, A, p)[0] * k
-  return p / (A + st.lam)
+  return precond_transform(st.transform, A, k, p, x=st.x, eps=st.eps, lam=st.lam)
 
 
 def _transform_vjp(st, A, k, p, dy):
   """(dA, d_in, dc): the cotangent reaching A through y, that of k (pdn) or q (atq) through y directly, and
   pdn's ∂⟨dy, y⟩/∂c (None for atq); all [BK]."""
   if st.pdn:
-    M, u = _pdn_scale(st, A, p)
+    M, u = pdn_scale(A, p, st.x, st.eps)
     dz = -math.log(st.x) * (dy * k) * M * u * u           # ∂M/∂z = −log(x) M / (1 + |z|)²
     return dz / (A + st.eps), dy * M, -dz
   r = 1.0 / (A + st.lam)
@@ -223,21 +211,16 @@ class _Prep(NamedTuple):
   A0: jax.Array
 
 
-def _pad_tokens(x, tp, kp):
-  return pad_axis(pad_axis(x, 1, tp), 3, kp)
-
-
 def _prepare(k, q, beta, g, A0, centre, st):
   b, t, h, kd = k.shape
   c = st.config.chunk
-  tp, kp = -(-t // c) * c, padded_dim(kd)
+  tp, kp = padded_length(t, c), padded_dim(kd)
   nc = tp // c
-  head_major = lambda x: jnp.swapaxes(pad_axis(x, 1, tp), 1, 2)                           # [B, H, Tp]
-  g, beta = head_major(g), head_major(beta)
+  g, beta = head_major(g, tp), head_major(beta, tp)                                          # [B, H, Tp]
   G = jnp.cumsum(g.reshape(b, h, nc, c), axis=-1)
   w = beta.reshape(b, h, nc, c) * jnp.exp(G[..., -1:] - G)
-  p = jnp.broadcast_to(centre[:, None], (h, kp)) if st.pdn else _pad_tokens(q, tp, kp)
-  return _Prep(k=_pad_tokens(k, tp, kp), p=p, beta=beta, g=g, G=G.reshape(b, h, tp), w=w.reshape(b, h, tp),
+  p = jnp.broadcast_to(centre[:, None], (h, kp)) if st.pdn else pad_tokens(q, tp, kp)
+  return _Prep(k=pad_tokens(k, tp, kp), p=p, beta=beta, g=g, G=G.reshape(b, h, tp), w=w.reshape(b, h, tp),
                G_C=jnp.swapaxes(G[..., -1], 1, 2), A0=pad_axis(A0, 2, kp))
 
 
@@ -372,7 +355,7 @@ def _bwd(st, res, cts):
   prep = _prepare(k, q, beta, g, A0, centre, st)
   b, t, h, kd = k.shape
   tp, kp = prep.k.shape[1], prep.k.shape[3]
-  dy = _pad_tokens(dy, tp, kp)
+  dy = pad_tokens(dy, tp, kp)
   nu_next, dA0 = _reverse_carries(_carry_grad(prep, A_in, dy, st), prep, pad_axis(dA_T.astype(F32), 2, kp), st)
   outs = _grads(prep, A_in, dy, nu_next, st, None if st.pdn else q.dtype)
   if st.pdn:

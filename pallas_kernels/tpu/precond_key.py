@@ -11,13 +11,12 @@ the kernel's own backward through autodiff.
 """
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from pallas_kernels.arrays import check_precond_key
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu.decayed_sum import Config, decayed_sum
+from pallas_kernels.wrapper_math import precond_transform
 
 
 def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
@@ -33,10 +32,11 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
                     initial_state)
   A, A_T = decayed_sum(k, log_decay, beta=beta, initial_state=initial_state, interpret=interpret, config=config)
   if transform == "atq":
-    return (q.astype(jnp.float32) / (A + lam)).astype(q.dtype), A_T
-  z = jnp.log(A + eps) - jnp.asarray(center, jnp.float32).reshape(-1)[:, None]
-  scale = jnp.exp(-math.log(x) * z / (1.0 + jnp.abs(z)))
-  return (scale * k.astype(jnp.float32)).astype(k.dtype), A_T
+    p, dtype = q.astype(jnp.float32), q.dtype
+  else:                                                   # the centre per head, against A [B, T, H, K]
+    p, dtype = jnp.asarray(center, jnp.float32).reshape(-1)[:, None], k.dtype
+  y = precond_transform(transform, A, k.astype(jnp.float32), p, x=x, eps=eps, lam=lam)
+  return y.astype(dtype), A_T
 
 
 def supports(spec: Spec) -> bool:

@@ -1,11 +1,11 @@
 """The Pallas GPU delta rule: padding, the in-chunk decay cumsum, one `jax.custom_vjp` around the kernels.
 
 `delta_rule` computes `osdn_jax.ops.delta_rule` (the contract; `osdn_jax.ops.chunked.delta_rule` has this
-signature). In the wrapper (plain
-JAX, differentiated by autodiff): T is zero-padded to a multiple of the chunk (β = 0, g = 0: the padded
-tokens leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed
-within each chunk (so the kernels' dG becomes d log_decay through a reverse cumsum; per channel both in the
-`chunk_cumsum` kernels), β is laid out head-major.
+signature). In the wrapper (plain JAX, differentiated by autodiff; what the TPU wrapper does alike is
+`pallas_kernels.wrapper_math`'s): T is zero-padded to a multiple of the chunk (β = 0, g = 0: the padded tokens
+leave the state untouched), K and V to a power of two ≥ 16, log_decay is clamped at −30 and cumsummed within each
+chunk (so the kernels' dG becomes d log_decay through a reverse cumsum; per channel both in the `chunk_cumsum`
+kernels), β is laid out head-major.
 Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = W, U from T →
 state_pass → dv_local → state_bwd → grads. The forward saves its inputs and T = (I + A)⁻¹ (fp32
 [B, HV, T, C]: the one costly intermediate); W, U, the chunk states and V_new are recomputed.
@@ -23,17 +23,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.gpu.common import MAX_DIM, default_interpret, pad_axis, padded_dim
-from pallas_kernels import packed
+from pallas_kernels import wrapper_math as wm
+from pallas_kernels.arrays import check_precond_key, check_segment_ids, pad_axis, scale_parts
 from pallas_kernels.gpu import precond_key
+from pallas_kernels.gpu.common import MAX_DIM, default_interpret, padded_dim
 from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 from pallas_kernels.gpu.delta_rule.layout import Static
 from pallas_kernels.gpu.delta_rule.prep import PdnKey
 from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
-from pallas_kernels.arrays import check_precond_key, check_segment_ids, scale_parts
-
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -56,20 +54,14 @@ def _solve_fwd(st, q, k, kw, v, beta, G, g, S0, info):
   return (o, S_T), (q, k, kw, v, beta, G, S0, info, T)
 
 
-def _group_sum(x, heads):
-  """[B, T, HV, D] per value head → [B, T, heads, D] (sum over each key head's group)."""
-  b, t, hv, d = x.shape
-  return x if hv == heads else x.reshape(b, t, heads, hv // heads, d).sum(axis=3)
-
-
 def _solve_bwd(st, res, cts):
   q, k, kw, v, beta, G, S0, info, T = res
   do, dS_T = cts
   dq, dk, dkw, dv, dbeta, dG, dS0 = backward.backward(
       st, (q, k, k if kw is None else kw, v, beta, G, S0, info, T), do, dS_T)
-  dq, dk = _group_sum(dq, st.heads).astype(q.dtype), _group_sum(dk, st.heads).astype(k.dtype)
+  dq, dk = wm.group_sum(dq, st.heads).astype(q.dtype), wm.group_sum(dk, st.heads).astype(k.dtype)
   if kw is not None:
-    dkw = _group_sum(dkw, kw.shape[2]).astype(kw.dtype)
+    dkw = wm.group_sum(dkw, kw.shape[2]).astype(kw.dtype)
   return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, None, dS0, None
 
 
@@ -112,13 +104,6 @@ def _pdn_solve_bwd(st, kst, res, cts):
 _pdn_solve.defvjp(_pdn_solve_fwd, _pdn_solve_bwd)
 
 
-def _chunk_cumsum(g, chunk):
-  """Inclusive cumsum within chunks along axis 1 of scalar log-decays g [B, T, HV] (T a multiple of chunk).
-  Per-channel log-decays go through `chunk_cumsum` (a Pallas kernel pair)."""
-  b, t = g.shape[:2]
-  return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "config", "interpret",
                                              "low_precision", "num_segments", "key_static"))
 def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, key_inputs=None, *,
@@ -130,43 +115,32 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   dtype = q.dtype
   n_seg = num_segments if segment_ids is not None else 0
   if n_seg:                               # one chunk-aligned row (pallas_kernels/packed.py)
-    tp = packed.row_length(b * t, n_seg, chunk_size)
-    pos, info, present = packed.chunk_aligned(segment_ids, n_seg, chunk_size)
-    row = lambda x: None if x is None else packed.to_row(x, pos, tp)
-    q, k, v, beta, k_write, log_decay = map(row, (q, k, v, beta, k_write, log_decay))
+    row, (q, k, v, beta, k_write, log_decay) = wm.to_row(segment_ids, n_seg, chunk_size, q, k, v, beta, k_write,
+                                                         log_decay)
+    tp, info = row.length, row.info
   else:
-    span = max(chunk_size, forward_chunk)
-    tp, info = -(-t // span) * span, None
+    tp, info = wm.padded_length(t, max(chunk_size, forward_chunk)), None
   kp, vp = padded_dim(kd), padded_dim(vd)
-  if scale is None:                       # a traced scale: applied to q, the kernels use scale 1
-    q = (q * scale_arr).astype(dtype)
-    scale = 1.0
-
-  def tokens(x, width):
-    return pad_axis(pad_axis(x, 1, tp), 3, width)
-
-  q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
-  kw = None if k_write is None else tokens(k_write.astype(dtype), kp)
-  beta = jnp.swapaxes(pad_axis(beta.astype(jnp.float32), 1, tp), 1, 2)          # [B, HV, T]
+  q, scale = wm.fold_scale(q, scale, scale_arr)
+  q, k, v = wm.pad_tokens(q, tp, kp), wm.pad_tokens(k, tp, kp), wm.pad_tokens(v, tp, vp)
+  kw = None if k_write is None else wm.pad_tokens(k_write, tp, kp, dtype)
+  beta = wm.head_major(beta, tp)                                                    # [B, HV, T]
   g_wide = None
   if log_decay is None:
     decay, G = "none", None
-  else:
-    if log_decay.ndim == 3:
-      g = pad_axis(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
-      decay, G = "scalar", jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)       # [B, HV, T]
-    else:                                 # [B, T, HV, K]: the floor and the cumsum in one Pallas pass
-      g = log_decay if log_decay.dtype in SUPPORTED_DTYPES else log_decay.astype(jnp.float32)   # fp16, fp64
-      g = pad_axis(pad_axis(g, 1, tp), 3, kp)
-      decay, G = "channel", chunk_cumsum.chunk_cumsum(g, chunk_size, LOG_DECAY_FLOOR, interpret=interpret)
-      g_wide = g if forward_chunk else None
+  elif log_decay.ndim == 3:
+    decay, G = "scalar", wm.scalar_decay(log_decay, tp, chunk_size)                 # [B, HV, T]
+  else:                                   # [B, T, HV, K]: the floor and the cumsum in one Pallas pass
+    g = wm.channel_log_decay(log_decay, tp, kp)
+    decay, G = "channel", chunk_cumsum.chunk_cumsum(g, chunk_size, LOG_DECAY_FLOOR, interpret=interpret)
+    g_wide = g if forward_chunk else None
   if initial_state is None:
     S0 = jnp.zeros((n_seg or b, hv, kp, vp), jnp.float32)
   else:
-    S0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, kp), 3, vp)
+    S0 = wm.pad_state(initial_state, kp, vp)
   S0_in = S0
   if n_seg:                               # [N, HV, K, V] → [1, HV, N·K, V] (segments without tokens: zeros)
-    S0_in = jnp.where(present[:, None, None, None], S0, 0.0)
+    S0_in = jnp.where(row.present[:, None, None, None], S0, 0.0)
     S0_in = jnp.swapaxes(S0_in, 0, 1).reshape(1, hv, n_seg * kp, vp)
   st = Static(batch=q.shape[0], length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
@@ -184,9 +158,8 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   o, S = _solve(st, q, k, kw, v, beta, G, g_wide, S0_in, info)
   if not n_seg:
     return o[:, :t, :, :vd], S[:, :, :kd, :vd]
-  S = jnp.swapaxes(S.reshape(hv, n_seg, kp, vp), 0, 1)
-  S = jnp.where(present[:, None, None, None], S, 0.0)      # segments without tokens: zeros, as the oracle
-  return packed.from_row(o, pos, b, t)[..., :vd], S[:, :, :kd, :vd]
+  o, S = wm.from_row(row, o, jnp.swapaxes(S.reshape(hv, n_seg, kp, vp), 0, 1), b, t)
+  return o[..., :vd], S[:, :, :kd, :vd]
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
@@ -207,15 +180,16 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   stored in bf16, as in FLA; fp32 inputs run every dot in fp32. fp32 dots run as `Dots` says when compiled and
   in IEEE fp32 in interpret mode.
   """
+  where = "delta_rule (pallas gpu)"
   config.check(chunk_size)
-  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    raise ValueError(f"delta_rule (pallas gpu): dtype {jnp.dtype(q.dtype).name} not supported")
-  if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
-    raise ValueError(f"delta_rule (pallas gpu): K and V must be ≤ {MAX_DIM}")
+  rows = q.shape[0]
   if segment_ids is not None:
-    check_segment_ids("delta_rule (pallas gpu)", segment_ids, q.shape[:2], num_segments)
+    check_segment_ids(where, segment_ids, q.shape[:2], num_segments)
+    rows = int(num_segments)
+  wm.check_solve(where, q, k, v, beta, k_write, log_decay, initial_state, rows)
+  if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
+    raise ValueError(f"{where}: K and V must be ≤ {MAX_DIM}")
   decay = "none" if log_decay is None else ("channel" if jnp.ndim(log_decay) == 4 else "scalar")
-  rows = num_segments if segment_ids is not None else q.shape[0]
   chunk = heuristics.chunk(config, decay, chunk_size, dtype=jnp.dtype(q.dtype).name, kdim=padded_dim(q.shape[-1]),
                            lanes=rows * v.shape[2], vdim=padded_dim(v.shape[-1]))
   forward_chunk = heuristics.forward_chunk(config, decay, chunk_size, chunk, segment_ids is not None)
@@ -255,8 +229,8 @@ def pdn_delta_rule(q, k, v, beta, beta_p, log_decay_p, center, *, x=1.5, eps=1e-
     raise ValueError(f"{where}: `initial_state` must be [B, H, K, V] = {(b, h, kd, v.shape[3])}, got "
                      f"{initial_state.shape}")
   config.check(chunk_size)
-  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    raise ValueError(f"{where}: dtype {jnp.dtype(q.dtype).name} not supported")
+  if jnp.dtype(q.dtype) not in wm.SUPPORTED_DTYPES:
+    raise ValueError(f"{where}: dtype {jnp.dtype(q.dtype).name} not supported (bfloat16, float32)")
   if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
     raise ValueError(f"{where}: K and V must be ≤ {MAX_DIM}")
   decay = "none" if log_decay is None else "scalar"
@@ -289,9 +263,8 @@ def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, 
   """The offline solve S_t = D_t S_{t-1} + β_t k_t v_tᵀ with these kernels: it is the online solve with a zero
   erase key and k as the write key (A = 0, T = I, W = 0, V_new = βV), so `delta_rule(q, 0, v, β,
   k_write=k)` computes it exactly (the kernels' work on the zero Gram is spent for nothing). Signature and
-  results of `osdn_jax.ops.chunked.linear_attention` (β default 1)."""
-  if beta is None:
-    beta = jnp.ones(v.shape[:3], jnp.float32)
-  return delta_rule(q, jnp.zeros_like(q), v, beta, k_write=k, log_decay=log_decay, initial_state=initial_state,
-                    scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, num_segments=num_segments,
-                    config=config, interpret=interpret, bf16_matmuls=bf16_matmuls)
+  results of `osdn_jax.ops.chunked.linear_attention` (β default 1; `wrapper_math.linear_attention`)."""
+  return wm.linear_attention(delta_rule, q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state,
+                             scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
+                             num_segments=num_segments, config=config, interpret=interpret,
+                             bf16_matmuls=bf16_matmuls)

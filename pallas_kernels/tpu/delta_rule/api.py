@@ -3,11 +3,11 @@
 `delta_rule` computes `osdn_jax.ops.delta_rule` (the contract) for every decay (none, scalar, per channel), with
 write keys, grouped value heads and an initial state, forward and backward; `linear_attention` is the offline
 solve through the same kernels. The forward under autodiff also saves the state entering every chunk (fp32
-[B, HV, NC, K, V]), which the backward kernel reads. In XLA around the kernels: T is zero-padded
-to a multiple of the chunk (β = 0, g = 0: padded tokens leave the state unchanged), K and V to
-`layout.padded_dim`; log-decays are clamped at LOG_DECAY_FLOOR and cumsummed within each chunk (per value head
-here, β and G laid out head-major [B, HV, T] fp32; per channel in the kernel, which reads the log-decays as they
-come, [B, T, HV, K]).
+[B, HV, NC, K, V]), which the backward kernel reads. In XLA around the kernels (what the GPU wrapper does alike
+is `pallas_kernels.wrapper_math`'s): T is zero-padded to a multiple of the chunk (β = 0, g = 0: padded tokens leave
+the state unchanged), K and V to `layout.padded_dim`; log-decays are clamped at LOG_DECAY_FLOOR and cumsummed
+within each chunk (per value head here, β and G laid out head-major [B, HV, T] fp32; per channel in the kernel,
+which reads the log-decays as they come, [B, T, HV, K]).
 """
 from __future__ import annotations
 
@@ -17,21 +17,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import packed
-from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
-from pallas_kernels.tpu.delta_rule.config import Config, config_for
-from pallas_kernels.tpu.delta_rule.backward import backward_call
-from pallas_kernels.tpu.delta_rule.kernel import forward_call
-from pallas_kernels.tpu.delta_rule.layout import Layout, pad_axis, padded_dim
+from pallas_kernels import wrapper_math as wm
 from pallas_kernels.arrays import check_segment_ids, scale_parts
-
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-
-def _chunk_cumsum(g, chunk: int):
-  """Inclusive cumsum within chunks along axis 1 of g [B, T, HV] (T a multiple of chunk)."""
-  b, t = g.shape[:2]
-  return jnp.cumsum(g.reshape(b, t // chunk, chunk, *g.shape[2:]), axis=2).reshape(g.shape)
+from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
+from pallas_kernels.tpu.delta_rule.backward import backward_call
+from pallas_kernels.tpu.delta_rule.config import Config, config_for
+from pallas_kernels.tpu.delta_rule.kernel import forward_call
+from pallas_kernels.tpu.delta_rule.layout import Layout, padded_dim
 
 
 def _use_head_major(config: Config, key_dim: int, value_dim: int) -> bool:
@@ -65,12 +57,6 @@ def _solve_fwd(st, q, k, kw, v, beta, G, S0, codes):
   return (o, S_T), (q, k, kw, v, beta, G, S0, codes, states)
 
 
-def _group_sum(x, heads):
-  """[B, T, HV, NV, K] partials per value head and V block → [B, T, heads, K]."""
-  b, t, hv, nv, d = x.shape
-  return x.reshape(b, t, heads, hv // heads, nv, d).sum(axis=(3, 4))
-
-
 def _solve_bwd(st, res, cts):
   q, k, kw, v, beta, G, S0, codes, states = res
   do, dS_T = cts
@@ -79,9 +65,10 @@ def _solve_bwd(st, res, cts):
       lay, q, k, kw, v, beta, G, states, do, dS_T, codes, scale=st.scale, low=st.low, interpret=st.interpret,
       sub=st.sub, vmem_limit_bytes=st.vmem_limit_bytes, grad_dtype=_grad_dtype(lay, q.dtype, kw),
       segments=dS_T.shape[0])
-  dq, dk = _group_sum(dq, lay.heads).astype(q.dtype), _group_sum(dk, lay.heads).astype(k.dtype)
+  # dq, dk, dkw: [B, T, HV, NV, K] partials per value head and V block
+  dq, dk = wm.group_sum(dq, lay.heads).astype(q.dtype), wm.group_sum(dk, lay.heads).astype(k.dtype)
   if kw is not None:
-    dkw = _group_sum(dkw, lay.kw_heads).astype(kw.dtype)
+    dkw = wm.group_sum(dkw, lay.kw_heads).astype(kw.dtype)
   dbeta = dgates[:, :, 0]
   if G is None:
     dG = None
@@ -112,73 +99,35 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
   n_seg = num_segments if segment_ids is not None else 0
   codes = None
   if n_seg:                                  # one chunk-aligned row (pallas_kernels/packed.py)
-    tp = packed.row_length(b * t, n_seg, chunk_size)
-    pos, info, present = packed.chunk_aligned(segment_ids, n_seg, chunk_size)
-    codes = info[:tp // chunk_size]
-    row = lambda x: None if x is None else packed.to_row(x, pos, tp)
-    q, k, v, beta, k_write, log_decay = map(row, (q, k, v, beta, k_write, log_decay))
+    row, (q, k, v, beta, k_write, log_decay) = wm.to_row(segment_ids, n_seg, chunk_size, q, k, v, beta, k_write,
+                                                         log_decay)
+    tp = row.length
+    codes = row.info[:tp // chunk_size]
     if initial_state is None:
       initial_state = jnp.zeros((n_seg, hv, kd, vd), jnp.float32)
   else:
-    tp = -(-t // chunk_size) * chunk_size
+    tp = wm.padded_length(t, chunk_size)
   kp, vp = padded_dim(kd), padded_dim(vd)
-  if scale is None:                          # a traced scale: applied to q, the kernel uses scale 1
-    q = (q * scale_arr).astype(dtype)
-    scale = 1.0
-
-  def tokens(x, width):
-    return pad_axis(pad_axis(x.astype(dtype), 1, tp), 3, width)
-
-  q, k, v = tokens(q, kp), tokens(k, kp), tokens(v, vp)
-  kw = None if k_write is None else tokens(k_write, kp)
-  per_head = lambda x: jnp.swapaxes(pad_axis(x.astype(jnp.float32), 1, tp), 1, 2)        # [B, HV, T]
+  q, scale = wm.fold_scale(q, scale, scale_arr)
+  q, k, v = (wm.pad_tokens(x, tp, width, dtype) for x, width in ((q, kp), (k, kp), (v, vp)))
+  kw = None if k_write is None else wm.pad_tokens(k_write, tp, kp, dtype)
   G = None
   if log_decay is not None and log_decay.ndim == 3:
-    g = pad_axis(jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
-    G = jnp.swapaxes(_chunk_cumsum(g, chunk_size), 1, 2)                           # [B, HV, T]
+    G = wm.scalar_decay(log_decay, tp, chunk_size)                                 # [B, HV, T]
   elif log_decay is not None:                # per channel: clamped and cumsummed in the kernel
-    g = log_decay if log_decay.dtype in SUPPORTED_DTYPES else log_decay.astype(jnp.float32)
-    G = pad_axis(pad_axis(g, 1, tp), 3, kp)                                         # [B, T, HV, K]
-  S0 = None
-  if initial_state is not None:
-    S0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, kp), 3, vp)
+    G = wm.channel_log_decay(log_decay, tp, kp)                                     # [B, T, HV, K]
+  S0 = None if initial_state is None else wm.pad_state(initial_state, kp, vp)
   lay = Layout(batch=q.shape[0], length=tp, heads=h, kw_heads=h if kw is None else kw.shape[2], value_heads=hv,
                key_dim=kp, value_dim=vp, block_v=config.value_block(vp), chunk=chunk_size,
                head_major=_use_head_major(config, kp, vp), packed=bool(n_seg))
   low = low_precision and config.bf16_matmuls and dtype == jnp.bfloat16
-  st = _Static(layout=lay, scale=float(scale), low=low, interpret=interpret, sub=config.sub,
+  st = _Static(layout=lay, scale=scale, low=low, interpret=interpret, sub=config.sub,
                vmem_limit_bytes=config.vmem_limit_bytes)
-  o, S = _solve(st, q, k, kw, v, per_head(beta), G, S0, codes)
-  if not n_seg:
-    return o[:, :t, :, :vd], S[:, :, :kd, :vd]
-  S = jnp.where(present[:, None, None, None], S[:, :, :kd, :vd], 0.0)      # segments without tokens: zeros
-  return packed.from_row(o, pos, b, t)[..., :vd], S
-
-
-def _check(q, k, v, beta, k_write, log_decay, initial_state, chunk_size, rows):
-  name = "delta_rule (pallas tpu)"
-  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    raise ValueError(f"{name}: dtype {jnp.dtype(q.dtype).name} not supported (bfloat16, float32)")
-  if chunk_size not in CHUNK_SIZES:
-    raise ValueError(f"{name}: `chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-  if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
-    raise ValueError(f"{name}: q, k must be [B, T, H, K] and v [B, T, HV, V] with one B, T; got q {q.shape}, "
-                     f"k {k.shape}, v {v.shape}")
-  b, t, h, kd = q.shape
-  hv, vd = v.shape[2:]
-  if hv % h:
-    raise ValueError(f"{name}: value heads HV = {hv} must be a multiple of the key heads H = {h}")
-  if beta.shape != (b, t, hv):
-    raise ValueError(f"{name}: `beta` must be [B, T, HV] = {(b, t, hv)}, got {beta.shape}")
-  if k_write is not None and (k_write.shape[:2] != (b, t) or k_write.shape[2] not in (h, hv)
-                              or k_write.shape[3] != kd):
-    raise ValueError(f"{name}: `k_write` must be [B, T, H or HV, K], got {k_write.shape}")
-  if log_decay is not None and log_decay.shape not in ((b, t, hv), (b, t, hv, kd)):
-    raise ValueError(f"{name}: `log_decay` must be [B, T, HV] = {(b, t, hv)} or [B, T, HV, K] = {(b, t, hv, kd)}, "
-                     f"got {log_decay.shape}")
-  if initial_state is not None and initial_state.shape != (rows, hv, kd, vd):
-    raise ValueError(f"{name}: `initial_state` must be [B (N when packed), HV, K, V] = {(rows, hv, kd, vd)}, got "
-                     f"{initial_state.shape}")
+  o, S = _solve(st, q, k, kw, v, wm.head_major(beta, tp), G, S0, codes)
+  if n_seg:
+    o, S = wm.from_row(row, o, S, b, t)
+    return o[..., :vd], S[:, :, :kd, :vd]
+  return o[:, :t, :, :vd], S[:, :, :kd, :vd]
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
@@ -199,11 +148,14 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   sizes and precision (None: `config_for()`, this backend's TPU generation; `bf16_matmuls` False overrides
   `config.bf16_matmuls`).
   """
+  where = "delta_rule (pallas tpu)"
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"{where}: `chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
   rows = q.shape[0]
   if segment_ids is not None:
-    check_segment_ids("delta_rule (pallas tpu)", segment_ids, q.shape[:2], num_segments)
+    check_segment_ids(where, segment_ids, q.shape[:2], num_segments)
     rows = int(num_segments)
-  _check(q, k, v, beta, k_write, log_decay, initial_state, chunk_size, rows)
+  wm.check_solve(where, q, k, v, beta, k_write, log_decay, initial_state, rows)
   static_scale, scale_arr = scale_parts(scale, q.shape[-1])
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
@@ -219,12 +171,11 @@ def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, 
                      bf16_matmuls: bool = True):
   """The offline solve S_t = D_t S_{t−1} + β_t k_t v_tᵀ through the same kernels: the online solve with a zero
   erase key and k as the write key (A = 0, T = I, W = 0, V_new = β V). Signature and results of
-  `osdn_jax.ops.chunked.linear_attention` (β default 1)."""
-  if beta is None:
-    beta = jnp.ones(v.shape[:3], jnp.float32)
-  return delta_rule(q, jnp.zeros_like(q), v, beta, k_write=k, log_decay=log_decay, initial_state=initial_state,
-                    scale=scale, chunk_size=chunk_size, segment_ids=segment_ids, num_segments=num_segments,
-                    config=config, interpret=interpret, bf16_matmuls=bf16_matmuls)
+  `osdn_jax.ops.chunked.linear_attention` (β default 1; `wrapper_math.linear_attention`)."""
+  return wm.linear_attention(delta_rule, q, k, v, beta=beta, log_decay=log_decay, initial_state=initial_state,
+                             scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
+                             num_segments=num_segments, config=config, interpret=interpret,
+                             bf16_matmuls=bf16_matmuls)
 
 
 def forward(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, scale=None, chunk_size=64,
