@@ -271,6 +271,95 @@ def test_chain_and_restart(mode):
   _assert_close(got, want, names)
 
 
+def _span_inputs(seed, T=151):
+  """`_inputs` (B = G = 2, K = 16; d_1 per (batch, head) as a carried state), except that from token 100 on
+  head 0's keys point at channel 3 with β = 0.3 (d_3 then climbs toward 1/β, past every value d reached
+  before)."""
+  a = _inputs(seed, T=T, G=2, K=16)
+  u, beta = np.array(a["u"]), np.array(a["beta"])
+  u[:, 100:, 0] = 0.02 / 15
+  u[:, 100:, 0, 3] = 0.98
+  beta[:, 100:, 0] = 0.3
+  a["u"], a["beta"] = jnp.asarray(u), jnp.asarray(beta)
+  a["n"] = jnp.sum(a["u"], -1)
+  return a
+
+
+@pytest.mark.parametrize("mode", ["none", "zero", pytest.param("init", marks=pytest.mark.slow)])
+def test_spanned_chain(mode):
+  """The forward's chain over spans of S blocks (`Config.spans`, `osdn.spans`): T = 151 (odd) is
+  nine blocks of 16 and a tail of 7 tokens; S = 2 gives five spans, the last of one block (ragged), S = 4
+  three; d_1 differs per (batch, head) (a carried state). The bounds are the extremes every (batch, head)
+  reaches without the clip, except head 0 after token 100, which crosses them (`_span_inputs`): the d
+  entering each block equals the whole chain's (S = 0) up to head 0's first failed block, which lies in a
+  later span (block ≥ 6: after three spans' maps with S = 2), and the restart from there and head 1's
+  chained rows (through the ragged span and the tail, d_{T+1}) equal the scan in values and gradients."""
+  a = _span_inputs(41)
+  learned_r = mode != "none"
+  anchor = "init" if mode == "init" else "zero"
+  r, o = (a["r"] if learned_r else None), (a["d0"] if mode == "init" else None)
+  ds, _ = precond.osdn_d_pass(a["u"], a["n"], a["beta"], r, a["d1"], a["d0"], eta=0.8, d_min=None, d_max=None,
+                              anchor=anchor, implementation="reference")
+  inside = np.concatenate([np.asarray(ds)[:, :101, 0].ravel(), np.asarray(ds)[:, :, 1].ravel()])
+  lo, hi = float(inside.min()) - 1e-3, float(inside.max()) + 1e-3
+
+  def chained(per):
+    config = dataclasses.replace(osdn.INTERPRET, spans=per)
+    st = Static(batch=2, length=151, heads=2, key_dim=16, eta=0.8, d_min=lo, d_max=hi, mode=mode, config=config,
+                interpret=True)
+    tabs = osdn_tables.forward(st, a["u"], a["n"], a["beta"], r, o)
+    tabs = list(tabs[:2]) + ([tabs[2]] if learned_r else [])
+    return st.chain_spans, osdn_forward._chained(st, a["u"], a["n"], a["beta"], r, a["d1"], o, tabs)
+
+  (n0, whole), (n2, two), (n4, four) = chained(0), chained(2), chained(4)
+  assert (n0, n2, n4) == (0, 5, 3)
+  first = np.asarray(osdn_forward.first_failed(whole[3]))[..., 0]
+  assert np.all((first[:, 0] >= 6) & (first[:, 0] < 9)) and np.all(first[:, 1] == 9), first
+  for seg in (two, four):
+    np.testing.assert_array_equal(osdn_forward.first_failed(seg[3]), osdn_forward.first_failed(whole[3]))
+    for b in range(2):                   # the d entering each block, up to head 0's first failed block
+      for g, upto in ((0, first[b, 0] + 1), (1, 9)):
+        assert rel_rms(seg[4][b, :upto, g], whole[4][b, :upto, g]) < TOL
+    assert rel_rms(seg[0][:, :, 1], whole[0][:, :, 1]) < TOL and rel_rms(seg[1][:, 1], whole[1][:, 1]) < TOL
+  got, want, names = _both(a, learned_r=learned_r, config=dataclasses.replace(osdn.INTERPRET, spans=2), eta=0.8,
+                           d_min=lo, d_max=hi, anchor=anchor)
+  _assert_close(got, want, names)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero", "init"])
+def test_spanned_backward(mode):
+  """The backward's chain over spans (`Config.spans` = 2, every block flagged, so the `lax.cond` takes it):
+  the spans' maps in reverse, the tail and the pass across spans, the blocks per span, then the
+  parallel block gradients; T = 151 as in `test_spanned_chain` (a ragged last span, whose map the backward
+  needs, and a tail), carried d_1. Values and every gradient equal the scan's."""
+  a = _inputs(41, T=151, G=2, K=16)
+  got, want, names = _both(a, learned_r=mode != "none", config=dataclasses.replace(osdn.INTERPRET, spans=2),
+                           eta=0.8, d_min=-50.0, d_max=50.0, anchor="init" if mode == "init" else "zero")
+  _assert_close(got, want, names)
+
+
+def test_spanned_packed_and_config():
+  """`Config.spans` with packed inputs: no block solves, so the token-by-token kernel as without it (equal to
+  the packed scan in values and gradients); a negative count is refused."""
+  a = _inputs(5, T=37, G=2, K=16, segments=5)
+  ids = jnp.asarray(np.stack([np.repeat(np.arange(3), [1, 20, 16]), np.repeat(np.arange(2), [30, 7])]), jnp.int32)
+  config = dataclasses.replace(osdn.INTERPRET, spans=1)
+  st = Static(batch=2, length=37, heads=2, key_dim=16, eta=4.0, d_min=0.0, d_max=2.0, mode="zero", config=config,
+              interpret=True, segments=5)
+  assert st.chain_spans == 0 and dataclasses.replace(st, segments=0).chain_spans == 2
+  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, anchor="zero", segment_ids=ids)
+
+  def run(impl):
+    def fn(u, n, beta, r, d1):
+      with osdn.configured(config):
+        return precond.osdn_d_pass(u, n, beta, r, d1, a["d0"], implementation=impl, **kw)
+    return fn
+  got, want = _values_and_grads(run, [a[x] for x in ("u", "n", "beta", "r", "d1")], ("pallas", "reference"))
+  _assert_close(got, want, ("u", "n", "beta", "r", "d1"))
+  with pytest.raises(ValueError, match="spans"):
+    osdn.Config(spans=-1)
+
+
 @pytest.mark.parametrize("mode,L", [("none", 32), ("zero", 16), ("init", 32)])
 def test_tables_kernel(mode, L):
   """The table kernel (`osdn_tables.forward` / `.backward`, interpret mode) against the plain-JAX reference
@@ -462,3 +551,29 @@ def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_bwd(" in ir and "@osdn_d_pass_bwd_blocks(" in ir and "@osdn_d_pass_bwd_tables(" in ir
   assert all(verified), verified
+
+
+@pytest.mark.parametrize("anchor,learned_r", [("zero", False), ("init", True)])
+def test_spanned_lowers_to_triton(triton_lowering, capsys, anchor, learned_r):
+  """The chains over spans (`Config.spans` = 2: K = 128, T = 233 is seven blocks of 32 in four spans,
+  the last ragged, and a tail): forward and backward, the spans' maps, the pass across spans and the chain
+  over (B, G, NS) lower to verified Triton IR, beside the expansion, the restart and the backward's other
+  kernels."""
+  verified = triton_lowering
+  b, t, g, kd = 2, 233, 4, 128
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  config = dataclasses.replace(osdn.DEFAULT, tables="kernel", spans=2, solve_t_init=32)
+
+  def loss(u, n, beta, r, d1, d0):
+    ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
+                             anchor=anchor, config=config, interpret=False)
+    return jnp.sum(ds) + jnp.sum(d_last)
+
+  f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+  jax.jit(f).trace(sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(b, g, kd), sd(g, kd)).lower(
+      lowering_platforms=("cuda",))
+  ir = capsys.readouterr().out
+  names = ("fwd_maps", "fwd_across", "fwd_chain", "fwd_expand", "fwd_restart", "bwd_maps", "bwd_across", "bwd_chain",
+           "bwd", "bwd_blocks")
+  assert all(f"@osdn_d_pass_{x}(" in ir for x in names)
+  assert all(verified) and len(verified) >= len(names), verified

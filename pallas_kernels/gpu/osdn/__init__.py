@@ -1,6 +1,7 @@
 """OSDN's clipped d-pass on the GPU: `api.d_pass` (the entry point and its custom_vjp; `api.configured`),
 `config.Config`, the kernels (`forward.py`, `backward.py`), their token loops (`loops.py`), the block solves
-(`blocks.py`) and their tables (`tables.py`); `layout.py` has the BlockSpecs."""
+(`blocks.py`) and their tables (`tables.py`), the chains over spans (`spans.py`); `layout.py` has the
+BlockSpecs."""
 from pallas_kernels.gpu.osdn.api import configured, d_pass, supports
 from pallas_kernels.gpu.osdn.config import DEFAULT, INTERPRET, Config
 

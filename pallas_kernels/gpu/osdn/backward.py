@@ -12,7 +12,8 @@ Sequential kernel, grid (B, G): token by token, except through the blocks the fo
 grid (B, G, NB): the per-token gradients of every flagged block from that λ (`blocks.block_adjoint`), written in
 place into the sequential kernel's outputs. With `Config.chain` and every block flagged (no clip anywhere, the
 common case) the sequential kernel is compiled without the per-block `lax.cond` and loads each block during
-the previous one (`lax.cond` on the flags picks that kernel or the general one). Packed: λ restarts from the
+the previous one (`lax.cond` on the flags picks that kernel or the general one); with `Config.spans` that
+branch runs the chain over spans instead (`_spanned`, `spans.py`). Packed: λ restarts from the
 segment's d_{T+1} cotangent at a last token and ∂d1[segment] is stored at a first.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.common import pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
-from pallas_kernels.gpu.osdn import tables
+from pallas_kernels.gpu.osdn import spans, tables
 from pallas_kernels.gpu.osdn.blocks import block_adjoint, block_chain
 from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip_grad, pre_clip, sequential, sequential_tokens
 
@@ -39,6 +40,129 @@ def _kernel(st, chain_only: bool, *refs):
        refs, 1, 1, 1, st.has_r, packed, st.has_o, 1, 1, 1, blocked, blocked, blocked and st.has_r, blocked,
        1, 1, 1, st.has_r, 1, st.has_o, blocked)
   o = o_ref[...] if st.has_o else None
+  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, o, ds_ref, gds_ref, gl_ref, du_ref, db_ref,
+                          dn_ref, dr_ref, dd1_ref)
+  lam0 = jnp.zeros((st.key_dim,), F32) if packed else gl_ref[...].astype(F32)
+  bt = st.config.block_t_bwd
+  if blocked:
+    Lb = st.solve_t
+    nb, rem = divmod(st.length, Lb)
+
+    def fetch(blk):
+      rows = pl.ds(blk * Lb, Lb)
+      return (u_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
+              tb_ref[blk, :, :], wb_ref[blk, :], gm_ref[blk, :, :] if st.has_r else None)
+
+    def block(blk, x, carry):
+      u, g, b, n, r, tb, wb, gm = x
+      serial = lambda: sequential_tokens(st, load, step, blk * Lb, Lb, bt, carry, reverse=True)
+
+      def chain():                        # λ only; `_blocks_kernel` forms the block's gradients from λ_L
+        lam_ref[blk, :] = carry[0]
+        return block_chain(st, u, g, b, n, r, carry[0], tb, wb, gm), carry[1]
+      return chain() if chain_only else lax.cond(ok_ref[blk] != 0, chain, serial)
+
+    carry = sequential_tokens(st, load, step, nb * Lb, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
+    lam, acc_o = block_loop(nb, fetch, block, carry, prefetch=chain_only, reverse=True)
+  else:
+    lam, acc_o = sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, bt)
+  if not packed:
+    dd1_ref[...] = lam
+  if st.has_o:
+    do_ref[...] = acc_o
+
+
+def _across_kernel(st, *refs):
+  """Over chain spans, every block flagged, grid (B, G): the T mod L tokens after the last block token by
+  token (their gradients and ∂o), then λ at the end of every span ([NS, K]) from λ after the last block,
+  one span's map (`spans.maps`) per step in reverse."""
+  (u_ref, b_ref, n_ref, r_ref, o_ref, ds_ref, gds_ref, gl_ref, mm_ref, mv_ref,
+   du_ref, db_ref, dn_ref, dr_ref, do_ref, lam_ref) = split_refs(
+       refs, 1, 1, 1, st.has_r, st.has_o, 1, 1, 1, 1, 1, 1, 1, 1, st.has_r, st.has_o, 1)
+  load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, None, o_ref[...] if st.has_o else None, ds_ref,
+                          gds_ref, gl_ref, du_ref, db_ref, dn_ref, dr_ref, None)
+  nb, rem = divmod(st.length, st.solve_t)
+  lam = gl_ref[...].astype(F32)
+  lam, acc_o = sequential_tokens(st, load, step, nb * st.solve_t, rem, st.config.block_t_bwd,
+                                 (lam, jnp.zeros_like(lam)), reverse=True)
+  if st.has_o:
+    do_ref[...] = acc_o
+
+  def span(j, x, lam):                 # λ at the end of span j → at its start, the end of span j − 1
+    A, a = x
+    lam_ref[j, :] = lam
+    return jnp.sum(A * lam[None, :], axis=1) + a
+  lam = block_loop(st.chain_spans, lambda j: (mm_ref[j - 1, :, :], mv_ref[j - 1, :]), span, lam,
+                   prefetch=True, reverse=True, start=1)
+  lam_ref[0, :] = lam
+
+
+def _span_kernel(st, *refs):
+  """Over chain spans, every block flagged, grid (B, G, NS): program j runs the blocks of span j in
+  reverse from λ at its end (`_across_kernel`) and stores λ at the end of each block, as `_kernel` does;
+  span 0's program stores ∂d_1."""
+  u_ref, b_ref, n_ref, r_ref, gds_ref, tb_ref, wb_ref, gm_ref, ls_ref, dd1_ref, lam_ref = split_refs(
+      refs, 1, 1, 1, st.has_r, 1, 1, 1, st.has_r, 1, 1, 1)
+  Lb, per, nb = st.solve_t, st.config.spans, st.num_blocks
+  j = pl.program_id(2)
+
+  def fetch(blk):
+    rows = pl.ds(blk * Lb, Lb)
+    return (u_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
+            tb_ref[blk, :, :], wb_ref[blk, :], gm_ref[blk, :, :] if st.has_r else None)
+
+  def block(blk, x, lam):
+    lam_ref[blk, :] = lam
+    return block_chain(st, *x[:5], lam, *x[5:])
+
+  lam = block_loop(nb, fetch, block, ls_ref[...], prefetch=True, reverse=True, start=j * per,
+                   stop=jnp.minimum(j * per + per, nb))
+
+  @pl.when(j == 0)
+  def _():
+    dd1_ref[...] = lam
+
+
+def _spanned(st, u, n, beta, r, o, ds, g_ds, g_last, tabs):
+  """`_kernel`'s outputs with every block flagged (du, dβ, dn[, dr], ∂d_1[, ∂o], λ at the end of every block),
+  over chain spans: the spans' maps (`spans.maps`), the tail and the pass across spans
+  (`_across_kernel`), then the blocks per span (`_span_kernel`). The rows of du, dβ, dn, dr are only the
+  tail's; `_blocks` writes every block's."""
+  b, t, g, k = st.batch, st.length, st.heads, st.key_dim
+  ns, nb = st.chain_spans, st.num_blocks
+  mm, mv = spans.maps(st, True, u, n, beta, r, g_ds, tabs)
+  mm_spec, mv_spec, vec_spec = spans.across_specs(st)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  rs = [L.scalars(st)] if st.has_r else []
+  grads = list(pallas_call(
+      functools.partial(_across_kernel, st), grid=(b, g),
+      in_specs=[L.rows(st), L.scalars(st), L.scalars(st)] + rs + ([L.param_vec(st)] if st.has_o else []) +
+      [L.rows(st), L.rows(st), L.head_vec(st), mm_spec, mv_spec],
+      out_specs=[L.rows(st), L.scalars(st), L.scalars(st)] + rs + ([L.batch_vec(st)] if st.has_o else []) +
+      [vec_spec],
+      out_shape=[f32(b, t, g, k), f32(b, t, g), f32(b, t, g)] + ([f32(b, t, g)] if st.has_r else []) +
+      ([f32(b, g, k)] if st.has_o else []) + [f32(b, ns, g, k)],
+      interpret=st.interpret, num_warps=st.config.warps_spans, num_stages=1, name="osdn_d_pass_bwd_across")(
+          *([u, beta, n] + ([r] if st.has_r else []) + ([o] if st.has_o else []) + [ds, g_ds, g_last, mm, mv])))
+  lam_spans = grads.pop()
+  over = lambda specs: [L.over_spans(s) for s in specs]
+  dd1, lam_blocks = pallas_call(
+      functools.partial(_span_kernel, st), grid=(b, g, ns),
+      in_specs=over([L.rows(st), L.scalars(st), L.scalars(st)] + rs + [L.rows(st)] + L.table_specs(st)) +
+      [L.span_specs(st)["vec"]],
+      out_specs=over([L.head_vec(st), L.per_block(st, k)]), out_shape=[f32(b, g, k), f32(b, nb, g, k)],
+      interpret=st.interpret, num_warps=st.warps, num_stages=1, name="osdn_d_pass_bwd_chain")(
+          *([u, beta, n] + ([r] if st.has_r else []) + [g_ds] + list(tabs) + [lam_spans]))
+  n_rows = 3 + st.has_r
+  return grads[:n_rows] + [dd1] + grads[n_rows:] + [lam_blocks]
+
+
+def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, o, ds_ref, gds_ref, gl_ref, du_ref, db_ref, dn_ref, dr_ref,
+               dd1_ref):
+  """(load, step) of the token-by-token adjoint: step writes token t's gradients and carries (λ, ∂o); packed
+  (c_ref not None), λ restarts from the segment's d_{T+1} cotangent at a last token and a first token stores
+  ∂d1[segment]."""
+  packed = c_ref is not None
 
   def load(t):
     code = L.decode(c_ref[t]) if packed else None
@@ -73,35 +197,7 @@ def _kernel(st, chain_only: bool, *refs):
       def _():                            # d of a segment's first token is its d1
         dd1_ref[seg, :] = lam_prev
     return lam_prev, acc_o
-
-  lam0 = jnp.zeros((st.key_dim,), F32) if packed else gl_ref[...].astype(F32)
-  bt = st.config.block_t_bwd
-  if blocked:
-    Lb = st.solve_t
-    nb, rem = divmod(st.length, Lb)
-
-    def fetch(blk):
-      rows = pl.ds(blk * Lb, Lb)
-      return (u_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
-              tb_ref[blk, :, :], wb_ref[blk, :], gm_ref[blk, :, :] if st.has_r else None)
-
-    def block(blk, x, carry):
-      u, g, b, n, r, tb, wb, gm = x
-      serial = lambda: sequential_tokens(st, load, step, blk * Lb, Lb, bt, carry, reverse=True)
-
-      def chain():                        # λ only; `_blocks_kernel` forms the block's gradients from λ_L
-        lam_ref[blk, :] = carry[0]
-        return block_chain(st, u, g, b, n, r, carry[0], tb, wb, gm), carry[1]
-      return chain() if chain_only else lax.cond(ok_ref[blk] != 0, chain, serial)
-
-    carry = sequential_tokens(st, load, step, nb * Lb, rem, bt, (lam0, jnp.zeros_like(lam0)), reverse=True)
-    lam, acc_o = block_loop(nb, fetch, block, carry, prefetch=chain_only, reverse=True)
-  else:
-    lam, acc_o = sequential(st, load, step, (lam0, jnp.zeros_like(lam0)), True, bt)
-  if not packed:
-    dd1_ref[...] = lam
-  if st.has_o:
-    do_ref[...] = acc_o
+  return load, step
 
 
 def backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last):
@@ -133,7 +229,11 @@ def backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last):
       out_shape=out_shape, interpret=st.interpret, num_warps=st.warps, num_stages=1,
       name="osdn_d_pass_bwd_chain" if chain_only else "osdn_d_pass_bwd")(*args))
   if blocked and st.config.chain:
-    outs = lax.cond(jnp.all(smooth != 0), lambda: call(True), lambda: call(False))
+    if st.chain_spans:
+      fast = lambda: _spanned(st, u, n, beta, r, o, ds, g_ds, g_last, tabs)
+    else:
+      fast = lambda: call(True)
+    outs = lax.cond(jnp.all(smooth != 0), fast, lambda: call(False))
   else:
     outs = call(False)
   du, dbeta, dn = outs[:3]

@@ -73,6 +73,23 @@ def block_end(st, u, b, n, r, tf, wf, o, d):
   return anchor + delta0 + jnp.sum(coef[:, None] * u, axis=0)
 
 
+def block_map(st, u, b, n, r, tf, wf, M, m):
+  """(M_b M, M_b m + m_b): the block's unclipped map composed after the map (M, m), where δ_L = M_b δ_0 + m_b is
+  `block_end` in δ = d − o. With s = tf U δ_0 + wf and coef = α − c ⊙ s as there (α = η β / n, c = η β² / n):
+      M_b = P_L I − Uᵀ diag(Q ⊙ c) tf U,      m_b = Uᵀ (Q ⊙ (α − c ⊙ wf))
+  (P_L = Π_{i<L} a_i, Q_j = Π_{j<i<L} a_i; a ≡ 1 without a retention). M_b M is three products: Y = U M,
+  Z = tf Y, then P_L M − (diag(Q ⊙ c) U)ᵀ Z; M_b m + m_b is `block_end` of m with the anchor 0 (wf holds U o
+  already). u [L, K], b, n, r [L] (r None: a ≡ 1), tf [L, L], wf [L], M [K, K], m [K]."""
+  w = st.eta * b * b / n
+  keep = M
+  if r is not None:
+    la = tables.log_retention(r)
+    w = w * tables.prefix_products(la, 0, u.shape[0], False)
+    keep = jnp.exp(jnp.sum(la)) * M
+  Z = dot(tf, dot(u, M))
+  return keep - dot(w[:, None] * u, Z, ta=True), block_end(st, u, b, n, r, tf, wf, None, m)
+
+
 def block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   """L tokens of the backward at once, when the clip's derivative is 1 for every channel and token of the
   block (every d̄_{t+1} strictly inside the bounds, padded channels aside: checked, ok; else the block runs
@@ -124,6 +141,24 @@ def block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
   col0 = jnp.sum(jnp.where(iota((L, L), 1) == 0, gamma, 0.0), axis=1)         # Γ_j0 (0 at j = 0)
   mu0 = first(through(r, L)[1]) * lam + jnp.sum(col0[:, None] * rest, axis=0)
   return first(r) * mu0 + first(rest)
+
+
+def block_map_adjoint(st, u, g, b, n, r, tb, wb, gamma, A, a):
+  """(A_b A, A_b a + a_b): the block's map composed after the map (A, a), where λ_0 = A_b λ_L + a_b is
+  `block_chain`. With p = tb U λ_L + wb as there, λ_0 = P_L λ_L + Σ_j P_j (g_j − c_j p_j u_j) (P_j = Π_{i<j} a_i,
+  so a_0 Q_0 = P_L and a_0 Γ_j0 = P_j), hence
+      A_b = P_L I − Uᵀ diag(P ⊙ c) tb U,      a_b = Σ_j P_j (g_j − c_j wb_j u_j)
+  (c = η β² / n; a ≡ 1 without a retention). A_b A is three products as in `block_map`; A_b a + a_b is
+  `block_chain` of a. u, g [L, K], b, n, r [L] (r None: a ≡ 1), tb [L, L], wb [L], gamma [L, L] or None, A [K, K],
+  a [K]."""
+  w = st.eta * b * b / n
+  keep = A
+  if r is not None:
+    la = tables.log_retention(r)
+    w = w * tables.prefix_products(la, 0, u.shape[0], True)
+    keep = jnp.exp(jnp.sum(la)) * A
+  Z = dot(tb, dot(u, A))
+  return keep - dot(w[:, None] * u, Z, ta=True), block_chain(st, u, g, b, n, r, a, tb, wb, gamma)
 
 
 def adjoint_check(st, d, u, b, n, r, anchor):

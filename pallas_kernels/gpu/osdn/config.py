@@ -23,9 +23,11 @@ class Config:
   tables: str = "auto"            # tables from "kernel", "xla" (batched triangular solves) or "auto" (`tables.implementation`)
   share_inverse: bool = True      # under autodiff the forward's tables also form the backward's inverse
   chain: bool = True              # block solves as a d / λ chain plus parallel kernels; serial again where a clip acts
+  spans: int = 0                  # blocks per span of the d / λ chains, the spans run in parallel (0: one chain)
+  warps_spans: int = 8            # warps of the span maps' and the across-spans kernels ([K, K] maps)
 
   def __post_init__(self):
-    for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables"):
+    for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables", "warps_spans"):
       if not is_pow2(getattr(self, name)):
         raise ValueError(f"Config.{name}={getattr(self, name)} must be a power of two")
     if self.num_warps is not None and not is_pow2(self.num_warps):
@@ -34,6 +36,8 @@ class Config:
       v = getattr(self, name)
       if v and (not is_pow2(v) or v < 16):
         raise ValueError(f"Config.{name}={v} must be 0 or a power of two ≥ 16")
+    if not isinstance(self.spans, int) or self.spans < 0:
+      raise ValueError(f"Config.spans={self.spans!r} must be an int ≥ 0")
     if self.tables not in TABLES:
       raise ValueError(f"Config.tables={self.tables!r} must be one of {TABLES}")
 

@@ -10,8 +10,10 @@ block fails its check, the unclipped chain of that (batch, head) was wrong from 
 kernel (`_kernel` with restart) takes over there, from the d the chain stored for the block, running each
 block as a solve or token by token (`lax.cond` per block, with the block's loads issued during the previous
 block); its programs without a failed block end at once. Without `Config.chain` the sequential kernel runs
-the whole sequence alone. The T mod L tokens after the last block run token by token. Packed: per-token codes
-restart d from d1[segment] at a segment's first token and store its d_{T+1} at its last (the sequential
+the whole sequence alone. With `Config.spans` (S blocks per span, at least two spans) the chain runs
+grid (B, G, NS), each program one span from the d entering it, which `spans.entering` forms from the
+spans' composed block maps. The T mod L tokens after the last block run token by token. Packed: per-token
+codes restart d from d1[segment] at a segment's first token and store its d_{T+1} at its last (the sequential
 kernel, token by token).
 
 Both paths store the d_t each token writes with, d_{T+1}, and per block a flag for the split backward: 1 where
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.common import SQUEEZED, pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
-from pallas_kernels.gpu.osdn import tables
+from pallas_kernels.gpu.osdn import spans, tables
 from pallas_kernels.gpu.osdn.blocks import block_end, block_solve
 from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip, pre_clip, sequential, sequential_tokens
 
@@ -112,12 +114,20 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o, ds_ref, dl_ref)
 
 def _chain_kernel(st, *refs):
   """The d entering every block ([NB, K]) by the unclipped block recurrence, then the T mod L tokens after the
-  last block token by token (their rows of ds, and d_{T+1})."""
+  last block token by token (their rows of ds, and d_{T+1}). Over chain spans (`st.chain_spans`, grid
+  (B, G, NS)): program j runs the blocks of span j from the d entering it (d1_ref, from
+  `spans.entering`), and the last span's program the tokens after the last block."""
   u_ref, b_ref, n_ref, r_ref, d1_ref, o_ref, tf_ref, wf_ref, ds_ref, dl_ref, db_ref = split_refs(
       refs, 1, 1, 1, st.has_r, 1, st.has_o, 1, 1, 1, 1, 1)
   o = o_ref[...] if st.has_o else None
   Lb = st.solve_t
   nb, rem = divmod(st.length, Lb)
+  ns = st.chain_spans
+  start = stop = None
+  if ns:
+    j = pl.program_id(2)
+    start = j * st.config.spans
+    stop = jnp.minimum(start + st.config.spans, nb)
 
   def fetch(i):
     rows = pl.ds(i * Lb, Lb)
@@ -128,9 +138,15 @@ def _chain_kernel(st, *refs):
     db_ref[i, :] = d
     return block_end(st, *x, o, d)
 
-  d = block_loop(nb, fetch, block, d1_ref[...].astype(F32), prefetch=True)
+  d = block_loop(nb, fetch, block, d1_ref[...].astype(F32), prefetch=True, start=start, stop=stop)
   load, step = _token_fns(st, u_ref, b_ref, n_ref, r_ref, None, None, o, ds_ref, None)
-  dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, st.config.block_t, d)
+  if not ns:
+    dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, st.config.block_t, d)
+    return
+
+  @pl.when(j == ns - 1)
+  def _():
+    dl_ref[...] = sequential_tokens(st, load, step, nb * Lb, rem, st.config.block_t, d)
 
 
 def _expand_kernel(st, *refs):
@@ -153,11 +169,17 @@ def _chained(st, u, n, beta, r, d1, o, tabs):
   nb = st.num_blocks
   tf, wf = tabs[:2]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  in_specs = [L.rows(st), L.scalars(st), L.scalars(st)] + ([L.scalars(st)] if st.has_r else []) + \
+      [L.head_vec(st)] + ([L.param_vec(st)] if st.has_o else []) + L.table_specs(st)[:2]
+  out_specs = [L.rows(st), L.head_vec(st), L.per_block(st, k)]
+  ns, grid = st.chain_spans, (b, g)
+  if ns:                       # the chain per segment, from the d entering each (`spans.py`)
+    d1 = spans.entering(st, u, n, beta, r, d1, o, tf, wf)
+    grid = (b, g, ns)
+    in_specs, out_specs = [L.over_spans(s) for s in in_specs], [L.over_spans(s) for s in out_specs]
+    in_specs[3 + st.has_r] = L.span_specs(st)["vec"]
   ds, d_last, d_blocks = pallas_call(
-      functools.partial(_chain_kernel, st), grid=(b, g),
-      in_specs=[L.rows(st), L.scalars(st), L.scalars(st)] + ([L.scalars(st)] if st.has_r else []) +
-      [L.head_vec(st)] + ([L.param_vec(st)] if st.has_o else []) + L.table_specs(st)[:2],
-      out_specs=[L.rows(st), L.head_vec(st), L.per_block(st, k)],
+      functools.partial(_chain_kernel, st), grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=[f32(b, t, g, k), f32(b, g, k), f32(b, nb, g, k)],
       interpret=st.interpret, num_warps=st.warps, num_stages=1, name="osdn_d_pass_fwd_chain")(
           *([u, beta, n] + ([r] if st.has_r else []) + [d1] + ([o] if st.has_o else []) + [tf, wf]))

@@ -1,7 +1,8 @@
 """The static description of one d-pass call and the BlockSpecs of its kernels.
 
 Grid (B, G) for the sequential kernels: one program per (batch, head) over the whole sequence; grid (B, G, NB)
-for the per-block kernels (tables, the backward's block gradients), one program per block of L = `solve_t`.
+for the per-block kernels (tables, the backward's block gradients), one program per block of L = `solve_t`;
+grid (B, G, NS) for the chains run per segment of `Config.spans` blocks (`spans.py`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,17 @@ class Static:
   def warps(self) -> int:
     return self.config.warps(self.key_dim, self.blocked)
 
+  @property
+  def chain_spans(self) -> int:
+    """NS, the spans of `Config.spans` blocks (the last one ragged) that the forward's chain runs in
+    parallel (`spans.py`); 0: the chain runs whole (segments 0, no chain, not blocked (so also packed), or
+    a single span)."""
+    per = self.config.spans
+    if not (per and self.config.chain and self.blocked):
+      return 0
+    ns = -(-self.num_blocks // per)
+    return ns if ns > 1 else 0
+
 
 # BlockSpecs over the grid (b, g): whole sequences of one (batch, head).
 def rows(st):      # [B, T, G, K] → [T, K]
@@ -108,6 +120,20 @@ def per_block(st, k: int = 0):
   if k:
     return pl.BlockSpec((_SQ, nb, _SQ, k), lambda b, g: (b, 0, g, 0))
   return pl.BlockSpec((_SQ, nb, _SQ), lambda b, g: (b, 0, g))
+
+
+def over_spans(spec):
+  """A BlockSpec of the grid (b, g) for the grid (b, g, j) over chain spans: every j maps to the same block."""
+  index = spec.index_map
+  return pl.BlockSpec(spec.block_shape, lambda b, g, j: index(b, g))
+
+
+def span_specs(st):
+  """BlockSpecs of one chain span for a grid (b, g, j) over (B, G, NS) (`spans.py`): a dense map
+  [B, NS, G, K, K] → [K, K] and a per-span vector [B, NS, G, K] → [K]."""
+  k = st.key_dim
+  return dict(square=pl.BlockSpec((_SQ, _SQ, _SQ, k, k), lambda b, g, j: (b, j, g, 0, 0)),
+              vec=pl.BlockSpec((_SQ, _SQ, _SQ, k), lambda b, g, j: (b, j, g, 0)))
 
 
 def block_specs(st):

@@ -76,19 +76,21 @@ def clip_grad(st, x):
   return m
 
 
-def block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False, start=None):
-  """carry ← body(i, fetch(i), carry) over the blocks i = 0 … nb − 1 (nb − 1 … 0 when reverse; from a traced
-  `start` on when given, forward only). With prefetch, block i's loads (everything but the carry, which they do
-  not depend on) are issued one iteration early, during the previous block's math, so their memory latency is
-  off the dependency chain; the loop then carries them (twice the registers for the block's tiles)."""
-  order = (lambda i: nb - 1 - i) if reverse else (lambda i: i)
-  zero, count = (jnp.int32(0) if start is None else start), jnp.int32(nb)
+def block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False, start=None, stop=None):
+  """carry ← body(i, fetch(i), carry) over the blocks i = start … stop − 1 (stop − 1 … start when reverse;
+  start 0 and stop nb unless given, traced or not, stop ≤ nb). With prefetch, block i's loads (everything but
+  the carry, which they do not depend on) are issued one iteration early, during the previous block's math, so
+  their memory latency is off the dependency chain; the loop then carries them (twice the registers for the
+  block's tiles)."""
+  zero = jnp.int32(0) if start is None else start
+  count = jnp.int32(nb) if stop is None else stop
+  order = (lambda i: zero + count - 1 - i) if reverse else (lambda i: i)
   if not prefetch:
     return lax.fori_loop(zero, count, lambda i, c: body(order(i), fetch(order(i)), c), carry)
 
   def step(i, c):
     c, x = c
-    nxt = fetch(order(jnp.minimum(i + 1, nb - 1)))
+    nxt = fetch(order(jnp.minimum(i + 1, count - 1)))
     return body(order(i), x, c), nxt
   return lax.fori_loop(zero, count, step, (carry, fetch(order(zero))))[0]
 
