@@ -1,7 +1,7 @@
 """FLA (flash-linear-attention, torch + Triton) on the same inputs as ours: an optional, benchmark-only comparison.
 
 Imported only when the runner asks for FLA; the library never imports torch. The inputs are the registry's host
-arrays: q, k, v in the benchmark dtype (rounded by torch as JAX rounds them), gates fp32, on "cuda"; PDN's centre
+arrays: q, k, v in the benchmark dtype (rounded by torch as JAX rounds them), gates fp32, on "cuda"; PDN's center
 is −0.2 per head (`registry.CENTER`). FLA is timed as ours (`timing.torch_ms`: back-to-back calls, one
 `torch.cuda.synchronize`) and also with `triton.testing.do_bench` (median) as a check; peak memory is
 `torch.cuda.max_memory_allocated` over one call beyond what was allocated before it.

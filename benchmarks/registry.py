@@ -30,10 +30,10 @@ SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "small": (2, 1
           "wide": (2, 2048, 8, 256), "tiny": (1, 64, 2, 16)}
 REFERENCE_MAX_T = 4096        # the token-serial solves are timed up to this T
 SEGMENTS = 8                  # segments per row of the packed components (fewer where random cuts coincide)
-CENTER = -0.2                 # PDN's centre c in the end-to-end ops
+CENTER = -0.2                 # PDN's center c in the end-to-end ops
 FAMILIES = ("delta_rule", "osdn", "precond_key")
 IMPLS = ("reference", "xla", "pallas", "fla")
-D_PASS = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor="init")   # the d_pass component: APF "init", clip [0, 8]
+D_PASS = dict(eta=1.0, d_min=0.0, d_max=8.0, apf_anchor="init")   # the d_pass component: APF "init", clip [0, 8]
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -83,7 +83,7 @@ def family_config(family: str, items=()):
   return (module.INTERPRET if default_interpret(None) else module.DEFAULT).override(*items)
 
 
-def parse_variant(text: str) -> Variant:
+def parse_kernel_variant(text: str) -> Variant:
   """"default" or "<family>:<field=value>+..." → Variant. ValueError naming the variant and the bad field."""
   text = text.strip()
   if text in ("", "default"):
@@ -391,7 +391,7 @@ OPS = {op.name: op for op in (
                ("q", "k", "kw", "v"), ("o", "S"), _packed, families=("delta_rule",)),
     _component("offline", "ops.linear_attention, per-channel decay", ("q", "k", "v", "beta", "gc"),
                ("q", "k", "v"), ("o", "S"), _offline, families=("delta_rule",)),
-    _component("pdn_key", "precond.pdn_write_key with initial state, per-head centre",
+    _component("pdn_key", "precond.pdn_write_key with initial state, per-head center",
                ("k", "beta_p", "g_p", "A0", "center"), ("k",), ("k_write", "A_T"), _pdn_key,
                families=("precond_key",)),
     _component("atq_query", "precond.atq_query with initial state", ("q", "k", "beta_p", "g_p", "A0"),

@@ -80,7 +80,7 @@ class Settings:
           raise ValueError(f"unknown {name} {v!r}: one of {list(known)}")
     for s in self.shapes:
       registry.parse_shape(s)
-    return [registry.parse_variant(v) for v in self.variants]
+    return [registry.parse_kernel_variant(v) for v in self.variants]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,17 +139,17 @@ def linear_attention(delta_rule, q, k, v, *, beta=None, **options):
   return delta_rule(q, jnp.zeros_like(q), v, beta, k_write=k, **options)
 
 
-def pdn_scale(A, centre, x: float, eps: float):
-  """(M, u) of PDN's key scale for the second moment A and the centre (broadcasting against A):
+def pdn_scale(A, center, x: float, eps: float):
+  """(M, u) of PDN's key scale for the second moment A and the center (broadcasting against A):
   z = log(A + ε) − c, u = 1 / (1 + |z|), M = exp(−log(x) z u) ∈ (1/x, x); u serves the backward,
   ∂M/∂z = −log(x) M u²."""
-  z = jnp.log(A + eps) - centre
+  z = jnp.log(A + eps) - center
   u = 1.0 / (1.0 + jnp.abs(z))
   return jnp.exp(-math.log(x) * z * u), u
 
 
 def precond_transform(transform: str, A, k, p, *, x: float, eps: float, lam: float):
-  """PDN's write key M(A) ⊙ k ("pdn"; p the centre) or ATQ's query p / (A + λ) ("atq"; p the query), in the
+  """PDN's write key M(A) ⊙ k ("pdn"; p the center) or ATQ's query p / (A + λ) ("atq"; p the query), in the
   dtype of A, k and p (the callers' fp32)."""
   if transform == "pdn":
     return pdn_scale(A, p, x, eps)[0] * k

@@ -21,15 +21,15 @@ from benchmarks.census import census
 # ---------------------------------------------------------------------------------------------------------
 def test_variants_parse_into_kernel_configs():
   from pallas_kernels.gpu import delta_rule, osdn, precond_key
-  assert registry.parse_variant("default") is registry.DEFAULT
-  v = registry.parse_variant("delta_rule:state.block_v=32+grads.warps_intra=4+stages=2")
+  assert registry.parse_kernel_variant("default") is registry.DEFAULT
+  v = registry.parse_kernel_variant("delta_rule:state.block_v=32+grads.warps_intra=4+stages=2")
   assert v.family == "delta_rule" and isinstance(v.config, delta_rule.Config)
   assert (v.config.state.block_v, v.config.grads.warps_intra, v.config.stages) == (32, 4, 2)
   assert v.config.prep == delta_rule.DEFAULT.prep
-  v = registry.parse_variant("osdn:solve_t=16+tables=kernel+share_inverse=False")
+  v = registry.parse_kernel_variant("osdn:solve_t=16+tables=kernel+share_inverse=False")
   assert isinstance(v.config, osdn.Config)
   assert (v.config.solve_t, v.config.tables, v.config.share_inverse) == (16, "kernel", False)
-  v = registry.parse_variant("precond_key:chunk=8+warps=4")
+  v = registry.parse_kernel_variant("precond_key:chunk=8+warps=4")
   assert isinstance(v.config, precond_key.Config) and (v.config.chunk, v.config.warps) == (8, 4)
 
 
@@ -46,12 +46,12 @@ def test_variants_parse_into_kernel_configs():
 ])
 def test_invalid_variants_name_the_field(text, field):
   with pytest.raises(ValueError, match=field):
-    registry.parse_variant(text)
+    registry.parse_kernel_variant(text)
 
 
 def test_plan_crosses_variants_with_pallas_and_their_families():
-  variants = [registry.DEFAULT, registry.parse_variant("delta_rule:state.block_v=32"),
-              registry.parse_variant("osdn:solve_t=0")]
+  variants = [registry.DEFAULT, registry.parse_kernel_variant("delta_rule:state.block_v=32"),
+              registry.parse_kernel_variant("osdn:solve_t=0")]
   s = run.Settings(ops=("dn", "d_pass"), shapes=("tiny", "1x8192x2x16"), impls=("reference", "xla", "pallas"),
                    modes=("fwd",))
   got = [(t.shape, t.op.name, t.impl, t.variant.name) for t in run.plan(s, variants, fla_ok=True)]
@@ -154,19 +154,19 @@ def test_a_variant_reaches_its_kernel_and_the_census_prints():
   op = registry.OPS["pdn_key"]
   x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
   programs = lambda v: {c.name: c.programs for c in census(op.build("pallas", v), x)}
-  default, wider = programs(registry.DEFAULT), programs(registry.parse_variant("precond_key:chunk=8"))
+  default, wider = programs(registry.DEFAULT), programs(registry.parse_kernel_variant("precond_key:chunk=8"))
   assert default["precond_key_apply"] == 2 * wider["precond_key_apply"] == 32
   op = registry.OPS["pdn"]
   x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
   names = lambda v: {c.name for c in census(op.build("pallas", v), x)}
   assert {"precond_key_apply", "delta_rule_prep"} <= names(registry.DEFAULT)
-  fused = names(registry.parse_variant("precond_key:fuse=True"))
+  fused = names(registry.parse_kernel_variant("precond_key:fuse=True"))
   assert "precond_key_apply" not in fused and {"precond_key_summaries", "delta_rule_prep"} <= fused
   op = registry.OPS["osdn"]                     # an osdn variant reaches the d-pass inside osdn_write_key
   x = {n: jax.ShapeDtypeStruct(a.shape, a.dtype) for n, a in op.inputs((1, 64, 2, 16)).items()}
   names = lambda v: {c.name for c in census(op.build("pallas", v), x)}
   assert "osdn_d_pass_fwd_chain" in names(registry.DEFAULT)
-  assert "osdn_d_pass_fwd_chain" not in names(registry.parse_variant("osdn:chain=False"))
+  assert "osdn_d_pass_fwd_chain" not in names(registry.parse_kernel_variant("osdn:chain=False"))
   printed = []
   run.print_census(run.Settings(ops=("dn", "d_pass"), shapes=("tiny",), modes=("fwd",)), log=printed.append)
   text = "\n".join(printed)

@@ -57,13 +57,13 @@ def _d_pass_problem(seed, B=2, T=40, G=2, K=6, retention=True):
 def test_clip_that_never_binds_never_acts():
   """Bounds far outside the path: every fraction is 0 and d is the unclipped chunked d-pass."""
   p = _d_pass_problem(0)
-  opts = dict(eta=1.0, d_min=-1e6, d_max=1e6, anchor="zero")
+  opts = dict(eta=1.0, d_min=-1e6, d_max=1e6, apf_anchor="zero")
   act = jax.jit(lambda p: diagnostics.clip_activity(**p, **opts))(p)
   for name in ("below", "above", "entries", "tokens", "d_at_min", "d_at_max"):
     assert float(jnp.max(act[name])) == 0.0, name
   assert all(float(jnp.max(c)) == 0.0 for c in act["chunks"].values())
   ds, d_last, _, _ = diagnostics.clip_trajectory(**p, **opts)
-  free, free_last = precond.osdn_d_pass(**p, eta=1.0, d_min=None, d_max=None, anchor="zero", implementation="xla",
+  free, free_last = precond.osdn_d_pass(**p, eta=1.0, d_min=None, d_max=None, apf_anchor="zero", implementation="xla",
                                         chunk_size=16)
   assert rel_rms(ds, free) < 1e-12 and rel_rms(d_last, free_last) < 1e-12
 
@@ -72,7 +72,7 @@ def test_clip_that_always_binds_acts_everywhere():
   """d_min = d_max = 3 with d_1 = 1: every update of every channel leaves the point {3}, and d sits at the bound
   from the second token on."""
   p = dict(_d_pass_problem(1), d1=jnp.ones((2, 2, 6)))
-  act = diagnostics.clip_activity(**p, eta=1.0, d_min=3.0, d_max=3.0, anchor="zero", chunk_sizes=(16, 64))
+  act = diagnostics.clip_activity(**p, eta=1.0, d_min=3.0, d_max=3.0, apf_anchor="zero", chunk_sizes=(16, 64))
   for name in ("entries", "tokens"):
     np.testing.assert_array_equal(act[name], 1.0)
   np.testing.assert_allclose(act["below"] + act["above"], 1.0, rtol=0, atol=1e-6)
@@ -89,7 +89,7 @@ def test_clip_counts_exactly_the_updates_that_leave_the_box():
   u = jnp.zeros((1, T, 1, 2)).at[..., 0].set(1.0)
   beta = jnp.zeros((1, T, 1)).at[0, jnp.array([3, 10]), 0].set(0.5)
   p = dict(u=u, n=jnp.ones((1, T, 1)), beta=beta, retention=None, d1=jnp.ones((1, 1, 2)), d_init=jnp.ones((1, 2)))
-  opts = dict(eta=100.0, d_min=0.0, d_max=8.0, anchor="zero")
+  opts = dict(eta=100.0, d_min=0.0, d_max=8.0, apf_anchor="zero")
   ds, d_last, below, above = diagnostics.clip_trajectory(**p, **opts)
   np.testing.assert_array_equal(np.argwhere(np.asarray(above)), [[0, 3, 0, 0]])
   np.testing.assert_array_equal(np.argwhere(np.asarray(below)), [[0, 10, 0, 0]])
@@ -107,7 +107,7 @@ def test_clip_counts_exactly_the_updates_that_leave_the_box():
 def test_clipped_path_is_the_reference_d_pass(anchor, retention):
   """With bounds that bind now and then, d and d_{T+1} are `osdn_d_pass(implementation="reference")`'s."""
   p = _d_pass_problem(2, T=60, retention=retention)
-  opts = dict(eta=4.0, d_min=0.75, d_max=1.5, anchor=anchor)
+  opts = dict(eta=4.0, d_min=0.75, d_max=1.5, apf_anchor=anchor)
   ds, d_last, below, above = diagnostics.clip_trajectory(**p, **opts)
   ref, ref_last = precond.osdn_d_pass(**p, **opts, implementation="reference")
   assert rel_rms(ds, ref) < 1e-14 and rel_rms(d_last, ref_last) < 1e-14
@@ -122,7 +122,7 @@ def test_d_pass_inputs_follow_the_point():
   k = a["k"]
   r_logit = jnp.asarray(np.random.default_rng(3).normal(size=a["beta"].shape))
   arrays, opts = diagnostics.d_pass_inputs(point, k, a["beta"], {"r": r_logit})
-  assert opts == dict(eta=1.0, d_min=0.0, d_max=2.0, anchor="init")
+  assert opts == dict(eta=1.0, d_min=0.0, d_max=2.0, apf_anchor="init")
   ds, d_last, _, _ = diagnostics.clip_trajectory(**arrays, **opts)
   k_write, d_ref = precond.osdn_write_key(k, a["beta"], retention=jax.nn.sigmoid(r_logit), d_max=2.0, guard=None,
                                           apf_anchor="init", implementation="reference")

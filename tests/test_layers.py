@@ -180,7 +180,7 @@ def test_decay_gates_start_in_their_documented_ranges(name):
 
 def test_preconditioner_parameters_start_as_documented():
   pdn = _values(_mixer("pgdn").point_params)["precond"]
-  np.testing.assert_array_equal(pdn["center"], np.full((H,), -0.2, np.float32))      # PDN's centre c_h
+  np.testing.assert_array_equal(pdn["center"], np.full((H,), -0.2, np.float32))      # PDN's center c_h
   assert pdn["A_log"].shape == (H,) and pdn["dt_bias"].shape == (H,)                  # its own (untied) gates
   for options, bias in (((), 8.0), ((("apf_anchor", "init"),), 2.0)):
     point = dgps.get("osdn-apf-gdn", **dict(options))

@@ -117,10 +117,10 @@ def test_matches_scan(case):
   case clips, the clip is active on a good fraction of the entries (on each bound it has); gradients reach β."""
   seed, anchor, learned_r, eta, lo, hi = CASES[case]
   a = _inputs(seed)
-  got, want, names = _both(a, learned_r=learned_r, eta=eta, d_min=lo, d_max=hi, anchor=anchor)
+  got, want, names = _both(a, learned_r=learned_r, eta=eta, d_min=lo, d_max=hi, apf_anchor=anchor)
   errors = _assert_close(got, want, names)
   if lo is not None or hi is not None:   # the clip is active on a good fraction of the entries
-    d_bar = _pre_clip(a, want[0][0], eta=eta, anchor=anchor, learned_r=learned_r)
+    d_bar = _pre_clip(a, want[0][0], eta=eta, apf_anchor=anchor, learned_r=learned_r)
     below = np.mean(d_bar < (-np.inf if lo is None else lo))
     above = np.mean(d_bar > (np.inf if hi is None else hi))
     assert below + above > 0.05 and (lo is None or below > 0) and (hi is None or above > 0), (below, above)
@@ -139,7 +139,7 @@ def test_block_boundaries(T, K, config):
   with the forward: 64; formed anew: 37) and from the reference throughout (50, 16-token block solves), which
   "auto", the GPU default, runs under differentiation."""
   a = _inputs(T, T=T, G=2, K=K)
-  got, want, names = _both(a, learned_r=True, config=config, eta=4.0, d_min=0.0, d_max=2.0, anchor="init")
+  got, want, names = _both(a, learned_r=True, config=config, eta=4.0, d_min=0.0, d_max=2.0, apf_anchor="init")
   _assert_close(got, want, names)
 
 
@@ -168,7 +168,7 @@ def test_block_solve_hypothesis():
   st = Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
                    config=osdn.INTERPRET, interpret=True)
   ds, _ = precond.osdn_d_pass(a["u"], a["n"], a["beta"], None, a["d1"], a["d0"], eta=eta, d_min=0.0, d_max=hi,
-                              anchor="zero", implementation="reference")
+                              apf_anchor="zero", implementation="reference")
   tf, wf, tb, inv_b, gamma = osdn_tables.reference(st, a["u"], a["n"], a["beta"], None, None)
   g = jnp.asarray(np.random.default_rng(1).normal(size=ds.shape), F32)
   wb = osdn_tables.adjoint_rhs_reference(st, a["u"], g, inv_b, gamma)
@@ -194,7 +194,7 @@ def test_block_solve_hypothesis():
     flags = osdn_forward.forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
     assert np.asarray(flags)[0, :, 0].tolist() == want_flags, flags
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
-  got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, anchor="zero")
+  got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, apf_anchor="zero")
   _assert_close(got, want, names)
   # Padded channels (K = 12 → 16: u = 0, d = 0 = d_min, so d̄ = 0 at the bound) do not fail the checks.
   pad = lambda x: jnp.pad(x[..., :12], [(0, 0)] * (x.ndim - 1) + [(0, 4)])
@@ -220,7 +220,7 @@ def test_block_solve_hypothesis():
   a = _inputs(11, T=48, G=2, K=16)
   a["r"] = a["r"].at[:, 5::7].set(0.0).at[:, 3::7].set(1.0)
   for anchor in ("zero", "init"):
-    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, anchor=anchor)
+    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, apf_anchor=anchor)
     _assert_close(got, want, names)
 
 
@@ -257,7 +257,7 @@ def test_chain_and_restart(mode):
   np.testing.assert_array_equal(smooth, sequential[2])
   for x, y in zip(chosen, (ds, d_last, smooth)):                  # nothing restarted
     np.testing.assert_array_equal(x, y)
-  got, want, names = _both(a, learned_r=learned_r, eta=0.8, d_min=-50.0, d_max=50.0, anchor=anchor)
+  got, want, names = _both(a, learned_r=learned_r, eta=0.8, d_min=-50.0, d_max=50.0, apf_anchor=anchor)
   _assert_close(got, want, names)
   a["beta"], a["d1"] = a["beta"].at[:, :, 1].set(0.0).at[:, :16, 0].set(0.0), a["d1"].at[:].set(1.0)
   (ds, _, _, ok, _), sequential, chosen = run(8.0, 0.0, 1.5)
@@ -267,7 +267,7 @@ def test_chain_and_restart(mode):
   np.testing.assert_array_equal(chosen[0][:, :, 1], ds[:, :, 1])   # head 1: the chain's rows
   for x, y in zip(chosen, sequential):
     assert rel_rms(x, y) < TOL
-  got, want, names = _both(a, learned_r=learned_r, eta=8.0, d_min=0.0, d_max=1.5, anchor=anchor)
+  got, want, names = _both(a, learned_r=learned_r, eta=8.0, d_min=0.0, d_max=1.5, apf_anchor=anchor)
   _assert_close(got, want, names)
 
 
@@ -299,7 +299,7 @@ def test_spanned_chain(mode):
   anchor = "init" if mode == "init" else "zero"
   r, o = (a["r"] if learned_r else None), (a["d0"] if mode == "init" else None)
   ds, _ = precond.osdn_d_pass(a["u"], a["n"], a["beta"], r, a["d1"], a["d0"], eta=0.8, d_min=None, d_max=None,
-                              anchor=anchor, implementation="reference")
+                              apf_anchor=anchor, implementation="reference")
   inside = np.concatenate([np.asarray(ds)[:, :101, 0].ravel(), np.asarray(ds)[:, :, 1].ravel()])
   lo, hi = float(inside.min()) - 1e-3, float(inside.max()) + 1e-3
 
@@ -322,7 +322,7 @@ def test_spanned_chain(mode):
         assert rel_rms(seg[4][b, :upto, g], whole[4][b, :upto, g]) < TOL
     assert rel_rms(seg[0][:, :, 1], whole[0][:, :, 1]) < TOL and rel_rms(seg[1][:, 1], whole[1][:, 1]) < TOL
   got, want, names = _both(a, learned_r=learned_r, config=dataclasses.replace(osdn.INTERPRET, spans=2), eta=0.8,
-                           d_min=lo, d_max=hi, anchor=anchor)
+                           d_min=lo, d_max=hi, apf_anchor=anchor)
   _assert_close(got, want, names)
 
 
@@ -334,7 +334,7 @@ def test_spanned_backward(mode):
   needs, and a tail), carried d_1. Values and every gradient equal the scan's."""
   a = _inputs(41, T=151, G=2, K=16)
   got, want, names = _both(a, learned_r=mode != "none", config=dataclasses.replace(osdn.INTERPRET, spans=2),
-                           eta=0.8, d_min=-50.0, d_max=50.0, anchor="init" if mode == "init" else "zero")
+                           eta=0.8, d_min=-50.0, d_max=50.0, apf_anchor="init" if mode == "init" else "zero")
   _assert_close(got, want, names)
 
 
@@ -347,7 +347,7 @@ def test_spanned_packed_and_config():
   st = Static(batch=2, length=37, heads=2, key_dim=16, eta=4.0, d_min=0.0, d_max=2.0, mode="zero", config=config,
               interpret=True, segments=5)
   assert st.chain_spans == 0 and dataclasses.replace(st, segments=0).chain_spans == 2
-  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, anchor="zero", segment_ids=ids)
+  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, apf_anchor="zero", segment_ids=ids)
 
   def run(impl):
     def fn(u, n, beta, r, d1):
@@ -415,14 +415,14 @@ def test_extreme_gates(clip, tables):
   a["beta"] = jnp.asarray(b)
   config = dataclasses.replace(osdn.INTERPRET, tables=tables) if tables else None
   lo, hi = (0.0, 8.0) if clip else (None, None)
-  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, anchor="zero", config=config)
+  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=lo, d_max=hi, apf_anchor="zero", config=config)
   _assert_close(got, want, names)
 
 
 def test_chaining():
   """Two calls through d_{T+1} equal one call."""
   a = _inputs(3, T=40, G=2, K=16)
-  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, anchor="zero")
+  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, apf_anchor="zero")
   run = lambda sl, d1: osdn.d_pass(a["u"][:, sl], a["n"][:, sl], a["beta"][:, sl], a["r"][:, sl], d1, a["d0"],
                                    **kw)
   ds, d_last = run(slice(None), a["d1"])
@@ -512,7 +512,7 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
 
   def loss(u, n, beta, r, d1, d0, ids):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor=anchor, segment_ids=ids if packed else None, interpret=False,
+                             apf_anchor=anchor, segment_ids=ids if packed else None, interpret=False,
                              config=dataclasses.replace(osdn.DEFAULT, tables="kernel"))
     return jnp.sum(ds) + jnp.sum(d_last)
 
@@ -542,7 +542,7 @@ def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
 
   def loss(u, n, beta, r, d1, d0):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor="zero", config=config, interpret=False)
+                             apf_anchor="zero", config=config, interpret=False)
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
@@ -566,7 +566,7 @@ def test_spanned_lowers_to_triton(triton_lowering, capsys, anchor, learned_r):
 
   def loss(u, n, beta, r, d1, d0):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             anchor=anchor, config=config, interpret=False)
+                             apf_anchor=anchor, config=config, interpret=False)
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))

@@ -139,7 +139,7 @@ def test_lowers_to_triton(triton_lowering, capsys):
 # The fused kernel `precond_key` (A never stored) through pdn_write_key / atq_query, against the scan path.
 # ---------------------------------------------------------------------------------------------------------
 def _key_inputs(seed, T, dtype=F32, extreme=False):
-  """(k, q, beta, g, A0, centre): B=2, H=3, K=20 (padded to 32), L2-normalised keys; extreme adds zero keys
+  """(k, q, beta, g, A0, center): B=2, H=3, K=20 (padded to 32), L2-normalised keys; extreme adds zero keys
   (whole tokens and some channels) to `_inputs`' extreme gates."""
   x, g, beta, A0 = _inputs(seed, T=T, extreme=extreme)
   rng = np.random.default_rng(seed + 100)
@@ -147,12 +147,12 @@ def _key_inputs(seed, T, dtype=F32, extreme=False):
   if extreme:
     k[:, 10:12], k[:, 20:30, :, :5] = 0.0, 0.0
   q = rng.normal(size=k.shape)
-  centre = jnp.asarray([-0.2, 0.1, 0.3], F32)
-  return jnp.asarray(k, dtype), jnp.asarray(q, dtype), beta, g, A0, centre
+  center = jnp.asarray([-0.2, 0.1, 0.3], F32)
+  return jnp.asarray(k, dtype), jnp.asarray(q, dtype), beta, g, A0, center
 
 
 def _key_fn(which, impl):
-  """fn(k, q, beta, g, A0, centre) → (y, A_T) through `precond.pdn_write_key` or `precond.atq_query`."""
+  """fn(k, q, beta, g, A0, center) → (y, A_T) through `precond.pdn_write_key` or `precond.atq_query`."""
   if which == "pdn":
     return lambda k, q, beta, g, A0, c: precond.pdn_write_key(k, beta, g, c, x=1.7, initial_state=A0,
                                                               implementation=impl)
@@ -160,14 +160,14 @@ def _key_fn(which, impl):
                                                         implementation=impl)
 
 
-def _key_args(which, k, q, beta, g, A0, centre, initial=True):
-  return (k, q if which == "atq" else None, beta, g, A0 if initial else None, centre if which == "pdn" else None)
+def _key_args(which, k, q, beta, g, A0, center, initial=True):
+  return (k, q if which == "atq" else None, beta, g, A0 if initial else None, center if which == "pdn" else None)
 
 
 @pytest.mark.parametrize("which,T,initial,extreme", [("pdn", 77, True, False), ("pdn", 150, False, True),
                                                      ("atq", 150, True, True), ("atq", 77, False, False)])
 def test_precond_key_against_scan(which, T, initial, extreme):
-  """Outputs, A_T and the gradients of every input (k, q, β, g, centre, A0) under random cotangents on both
+  """Outputs, A_T and the gradients of every input (k, q, β, g, center, A0) under random cotangents on both
   outputs; T = 77 (one padded chunk and a part) or 150 (three chunks), K = 20; extreme gates finite and equal."""
   args = _key_args(which, *_key_inputs(7, T, extreme=extreme), initial=initial)
   got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
@@ -227,9 +227,9 @@ def test_precond_key_split_blocks():
 
 def test_precond_key_bf16_inputs():
   """bf16 k and q: outputs in bf16 and every gradient within a bf16 tolerance of the scan on the same inputs."""
-  k, q, beta, g, A0, centre = _key_inputs(8, 77, dtype=jnp.bfloat16)
+  k, q, beta, g, A0, center = _key_inputs(8, 77, dtype=jnp.bfloat16)
   for which in ("pdn", "atq"):
-    args = _key_args(which, k, q, beta, g, A0, centre)
+    args = _key_args(which, k, q, beta, g, A0, center)
     got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
     want = _jit_values_and_grads(_key_fn(which, "xla"), args)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == F32 and got[2].dtype == jnp.bfloat16
@@ -242,21 +242,21 @@ def test_precond_key_dispatch_and_errors():
   lookup = lambda **kw: pallas_kernels.lookup(Spec("precond_key", "gpu", **{"dtype": "float32", "key_dim": 64, **kw}))
   assert lookup(dtype="bfloat16") is pk.precond_key and lookup(packed=True) is None
   assert lookup(static_params=False) is None and lookup(dtype="float64") is None
-  k, q, beta, g, A0, centre = _key_inputs(9, 8)
+  k, q, beta, g, A0, center = _key_inputs(9, 8)
   with pytest.raises(ValueError, match="packed"):
-    precond.pdn_write_key(k, beta, g, centre, segment_ids=jnp.zeros((2, 8), jnp.int32), implementation="pallas")
+    precond.pdn_write_key(k, beta, g, center, segment_ids=jnp.zeros((2, 8), jnp.int32), implementation="pallas")
   with pytest.raises(ValueError, match="float64"):
     precond.atq_query(q.astype(jnp.float64), k, beta, g, implementation="pallas")
   with pytest.raises(ValueError, match="static"):
-    jax.jit(lambda x: precond.pdn_write_key(k, beta, g, centre, x=x, implementation="pallas"))(1.5)
+    jax.jit(lambda x: precond.pdn_write_key(k, beta, g, center, x=x, implementation="pallas"))(1.5)
   with pytest.raises(ValueError, match="`implementation`"):
     precond.atq_query(q, k, beta, g, implementation="triton")
   bad = [(dict(k=k[0]), "`k`"), (dict(beta=beta[:, :4]), "`beta`"), (dict(log_decay=g[..., :1]), "`log_decay`"),
-         (dict(initial_state=A0[:1]), "`initial_state`"), (dict(center=centre[:2]), "`center`"),
+         (dict(initial_state=A0[:1]), "`initial_state`"), (dict(center=center[:2]), "`center`"),
          (dict(transform="atq"), "`q`"), (dict(transform="atq", q=q[:, :4]), "`q`"),
          (dict(transform="exact"), "`transform`"), (dict(lam=0.0), "lam")]
   for change, match in bad:
-    kw = {**dict(k=k, beta=beta, log_decay=g, transform="pdn", center=centre), **change}
+    kw = {**dict(k=k, beta=beta, log_decay=g, transform="pdn", center=center), **change}
     with pytest.raises(ValueError, match=match):
       pk.precond_key(kw.pop("k"), kw.pop("beta"), kw.pop("log_decay"), **kw)
 
@@ -287,7 +287,7 @@ def test_packed_traced_segments_fold_into_the_unpacked_kernels(which):
   """Packed with traced segment_ids and no carried state (a training step): the kernels run unpacked with each
   segment start's log-decay at the floor. Values and every gradient equal the packed associative scan (which
   zeroes the state at a start), and the final state is None on both."""
-  k, q, beta, g, _, centre = _key_inputs(11, 150)
+  k, q, beta, g, _, center = _key_inputs(11, 150)
   seg = jnp.asarray(np.cumsum(np.random.default_rng(3).random((2, 150)) < 0.04, axis=1), jnp.int32)
   fns = {"pdn": lambda impl: lambda k, q, b, g, c, s: precond.pdn_write_key(k, b, g, c, x=1.7, segment_ids=s,
                                                                               implementation=impl),
@@ -300,12 +300,12 @@ def test_packed_traced_segments_fold_into_the_unpacked_kernels(which):
     fn = fns[which](impl)
 
     @jax.jit
-    def go(k, q, beta, g, centre, seg):
-      (y, A_T), vjp = jax.vjp(lambda k, q, beta, g, centre: fn(k, q, beta, g, centre, seg), k, q, beta, g, centre)
+    def go(k, q, beta, g, center, seg):
+      (y, A_T), vjp = jax.vjp(lambda k, q, beta, g, center: fn(k, q, beta, g, center, seg), k, q, beta, g, center)
       assert A_T is None
       w = jnp.cos(jnp.arange(y.size, dtype=F32)).reshape(y.shape).astype(y.dtype)
       return (y,) + vjp((w, None))
-    return go(k, q, beta, g, centre, seg)
+    return go(k, q, beta, g, center, seg)
 
   got, want = run("pallas"), run("xla")
   for i, (a, b) in enumerate(zip(got, want)):
@@ -319,9 +319,9 @@ def test_packed_traced_segments_fold_into_the_unpacked_kernels(which):
 # PDN's key formed inside the delta rule's prep (`delta_rule.pdn_delta_rule`).
 # ---------------------------------------------------------------------------------------------------------
 def _pdn_solve_inputs(seed, T, decay, dtype=F32, extreme=False):
-  """(q, k, v, β, βᴾ, gᴾ, centre, log-decay or None, S0, A0ᴾ): B=2, H=3, K=20, V=24 (both padded to 32); extreme:
+  """(q, k, v, β, βᴾ, gᴾ, center, log-decay or None, S0, A0ᴾ): B=2, H=3, K=20, V=24 (both padded to 32); extreme:
   the gates of `_key_inputs` (log-decays −1e3 and 0, β ∈ {0, 1}, zero keys) on the moment and on the solve."""
-  k, q, beta_p, g_p, A0, centre = _key_inputs(seed, T, extreme=extreme)
+  k, q, beta_p, g_p, A0, center = _key_inputs(seed, T, extreme=extreme)
   rng = np.random.default_rng(seed + 200)
   v = rng.normal(size=(2, T, 3, 24))
   beta = np.asarray(beta_p)[:, ::-1].copy()
@@ -329,7 +329,7 @@ def _pdn_solve_inputs(seed, T, decay, dtype=F32, extreme=False):
   S0 = rng.normal(size=(2, 3, 20, 24)) * 0.3
   wide = lambda x: jnp.asarray(x, dtype)
   return (wide(q / np.linalg.norm(q, axis=-1, keepdims=True)), wide(k), wide(v), jnp.asarray(beta, F32), beta_p,
-          g_p, centre, None if g is None else jnp.asarray(g, F32), jnp.asarray(S0, F32), A0)
+          g_p, center, None if g is None else jnp.asarray(g, F32), jnp.asarray(S0, F32), A0)
 
 
 def _pdn_solve_fn(impl, chunk=64):
@@ -353,7 +353,7 @@ def _pdn_solve_fn(impl, chunk=64):
 def test_pdn_key_in_the_solve_against_fp64(decay, T, chunk, extreme):
   """The key formed in prep (four or two sub-blocks a chunk, T not a multiple of it, K and V padded, initial
   state and moment) against PDN's key then the solve in fp64 XLA: o, S_T, A_T and the gradients of q, k, v, β,
-  βᴾ, gᴾ, the centre, the log-decay, S0 and A0ᴾ; extreme gates finite."""
+  βᴾ, gᴾ, the center, the log-decay, S0 and A0ᴾ; extreme gates finite."""
   args = _pdn_solve_inputs(12, T, decay, extreme=extreme)
   got = _jit_values_and_grads(_pdn_solve_fn("fused", chunk), args)
   want = _jit_values_and_grads(_pdn_solve_fn("xla", chunk),

@@ -114,17 +114,17 @@ def test_default_interpret_on_cpu_matches_the_gpu_kernel(races):
 @pytest.mark.parametrize("transform", ["pdn", "atq"])
 def test_precond_key(transform, races):
   """PDN's write key and ATQ's query (the moment kernel, then the transform in XLA): y, A_T and every gradient
-  (k, q, β, g, A0, the centre) against `precond.pdn_write_key` / `atq_query` on the XLA path."""
+  (k, q, β, g, A0, the center) against `precond.pdn_write_key` / `atq_query` on the XLA path."""
   x, g, beta, A0 = _inputs(9, 2, 70, 3, 64, extreme=True)
   q = jnp.asarray(np.random.default_rng(10).normal(size=x.shape), F32)
-  centre = jnp.asarray([0.1, -0.3, 0.5], F32)
+  center = jnp.asarray([0.1, -0.3, 0.5], F32)
   if transform == "pdn":
     def fn(k, g, b, a0, c):
       return pk.precond_key(k, b, g, transform="pdn", center=c, x=1.5, initial_state=a0, interpret=INTERPRET)
 
     def ref(k, g, b, a0, c):
       return precond.pdn_write_key(k, b, g, c, x=1.5, initial_state=a0, implementation="xla")
-    args = (x, g, beta, A0, centre)
+    args = (x, g, beta, A0, center)
   else:
     def fn(k, g, b, a0, q):
       return pk.precond_key(k, b, g, transform="atq", q=q, lam=0.5, initial_state=a0, interpret=INTERPRET)

@@ -95,7 +95,7 @@ def _run(case, seed):
   ids, count = _packed_ids(T) if packed else (None, 0)
   a = _inputs(seed, B, T, G, K, count)
   names = ["u", "n", "beta"] + (["r"] if learned_r else []) + ["d1", "d0"]
-  kw = dict(eta=eta, d_min=lo, d_max=hi, anchor=anchor)
+  kw = dict(eta=eta, d_min=lo, d_max=hi, apf_anchor=anchor)
 
   def call(impl, dtype=F32):
     def fn(*xs):
@@ -120,7 +120,7 @@ def _run(case, seed):
     errors = rel_rms(x, y32), rel_rms(x, y64), rel_rms(y32, y64)
     assert errors[0] < 2 * TOL and errors[1] < max(TOL, 2 * errors[2]), (seed, label, errors)
   if lo is not None or hi is not None:
-    fraction = _clipped_fraction(a, want64[0], eta=eta, lo=lo, hi=hi, anchor=anchor, learned_r=learned_r)
+    fraction = _clipped_fraction(a, want64[0], eta=eta, lo=lo, hi=hi, apf_anchor=anchor, learned_r=learned_r)
     assert fraction > 0.05, (seed, fraction)
   assert float(jnp.max(jnp.abs(got[labels.index("dbeta")]))) > 0, seed
   return got, labels, count
@@ -144,7 +144,7 @@ def test_default_interpret_and_chaining(seed, races):
   """`interpret=None` on a CPU backend runs TPU interpret mode (one simulated core); two calls through d_{T+1} give
   one call's results."""
   a = _inputs(seed, 2, 40, 2, 16)
-  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, anchor="zero")
+  kw = dict(eta=4.0, d_min=0.0, d_max=2.0, apf_anchor="zero")
   run = jax.jit(lambda u, n, beta, r, d1: osdn.d_pass(u, n, beta, r, d1, a["d0"], config=osdn.Config(unroll=4),
                                                       **kw))
   cut = lambda sl: [a[x][:, sl] for x in ("u", "n", "beta", "r")]
@@ -160,7 +160,7 @@ def test_errors_config_and_supports():
   a = _inputs(0, 2, 8, 3, 16)
   args = lambda **kw: {**dict(u=a["u"], n=a["n"], beta=a["beta"], retention=a["r"], d1=a["d1"], d_init=a["d0"]),
                        **kw}
-  kw = dict(eta=1.0, d_min=0.0, d_max=8.0, anchor="zero")
+  kw = dict(eta=1.0, d_min=0.0, d_max=8.0, apf_anchor="zero")
   ids = jnp.zeros((2, 8), jnp.int32)
   for bad, match in ((dict(u=a["u"][0]), "`u`"), (dict(u=jnp.zeros((2, 8, 3, 300))), "`u`"),
                      (dict(n=a["n"][:, :4]), "`n`"), (dict(beta=a["beta"][..., :2]), "`beta`"),
@@ -168,7 +168,7 @@ def test_errors_config_and_supports():
                      (dict(d_init=jnp.ones((3, 5))), "`d_init`")):
     with pytest.raises(ValueError, match=match):
       osdn.d_pass(**args(**bad), **kw)
-  for bad, match in ((dict(anchor="one"), "`anchor`"), (dict(eta=None), "`eta`"),
+  for bad, match in ((dict(apf_anchor="one"), "`apf_anchor`"), (dict(eta=None), "`eta`"),
                      (dict(segment_ids=ids[:, :4]), "`segment_ids`"),
                      (dict(segment_ids=ids.astype(F32)), "`segment_ids`")):
     with pytest.raises(ValueError, match=match):
@@ -176,7 +176,7 @@ def test_errors_config_and_supports():
   with pytest.raises(ValueError, match="`d1`"):
     osdn.d_pass(**args(d1=a["d1"][:, :2]), segment_ids=ids, **kw)
   with pytest.raises(ValueError, match="`d_max`"):
-    jax.jit(lambda hi: osdn.d_pass(**args(), eta=1.0, d_min=0.0, d_max=hi, anchor="zero"))(8.0)
+    jax.jit(lambda hi: osdn.d_pass(**args(), eta=1.0, d_min=0.0, d_max=hi, apf_anchor="zero"))(8.0)
   for bad in ({"chunk": 100}, {"chunk": 0}, {"block_h": 4}, {"unroll": 3}, {"chunk": True}):
     with pytest.raises(ValueError, match=next(iter(bad))):
       osdn.Config(**bad)
@@ -219,7 +219,7 @@ def test_compiles_for_tpu(topology, shape, record_property, capsys):
   B, T, H, K = shape
 
   def d_pass(u, n, beta, r, d1, d0):
-    return osdn.d_pass(u, n, beta, r, d1, d0, eta=1.0, d_min=0.0, d_max=8.0, anchor="init", interpret=False)
+    return osdn.d_pass(u, n, beta, r, d1, d0, eta=1.0, d_min=0.0, d_max=8.0, apf_anchor="init", interpret=False)
   shapes = [((B, T, H, K), F32), ((B, T, H), F32), ((B, T, H), F32), ((B, T, H), F32), ((B, H, K), F32),
             ((H, K), F32)]
   forward, _ = _lower(topology, shapes, d_pass, grad=False)
@@ -243,7 +243,7 @@ def test_odd_and_packed_shapes_compile_for_tpu(topology):
   def d_pass(packed, mode, xs):
     u, n, beta, r, d1, d0, ids = xs
     return osdn.d_pass(u, n, beta, None if mode == "none" else r, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                       anchor="zero" if mode == "none" else mode, segment_ids=ids if packed else None,
+                       apf_anchor="zero" if mode == "none" else mode, segment_ids=ids if packed else None,
                        interpret=False)
   calls = [((2, 300, 3, 37), 5, True, "init"), ((2, 37, 12, 64), 2, False, "none"), ((1, 1, 16, 256), 1, False, "zero"),
            ((4, 4096, 16, 128), 9, True, "zero")]

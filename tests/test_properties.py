@@ -170,7 +170,7 @@ def _unit(x):
 @st.composite
 def precond_problems(draw, which):
   """fp64 arrays for one preconditioner (keys [2, T, H, K] unit or with zero tokens, gates, an initial state
-  or none) and its static options: PDN's x and centre, ATQ's λ, OSDN's η, d_init, bounds (both, upper only,
+  or none) and its static options: PDN's x and center, ATQ's λ, OSDN's η, d_init, bounds (both, upper only,
   none) and APF anchor; β = 0 tokens and retentions of exactly 0 and 1 with `extreme`. The simplest draw: T = 40,
   grouped gain heads, extreme gates, an initial state, PDN's x = 1.7, unbounded OSDN (the exact chunked form)."""
   rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))

@@ -73,7 +73,7 @@ def test_mesh_and_head_errors():
                                                                           "tensor": 2}
   assert mesh_lib.axis_sizes({"data": 1, "fsdp": 2, "context": -1, "tensor": 1}, 8)["context"] == 4
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-  mesh_lib.check_heads(models.config("gdn-tiny"), mesh)
+  mesh_lib.check_tensor_axis(models.config("gdn-tiny"), mesh)
   with pytest.raises(ValueError, match="unknown `config`"):
     configs.get_config("huge")
 
@@ -89,7 +89,7 @@ def test_named_config_flag_becomes_the_config_file():
 @pytest.mark.parametrize("variant", ["pgdn", "osdn-apf-gdn"])
 def test_weight_decay_mask(variant):
   """Decay on the matrices; none on norm scales, biases (APF's retention) or the point's parameters (A_log,
-  dt_bias, PDN's centre)."""
+  dt_bias, PDN's center)."""
   params = nnx.state(models.build(f"{variant}-tiny"), nnx.Param).to_pure_dict()
   flat = {"/".join(str(getattr(k, "key", k)) for k in path): m
           for path, m in jax.tree_util.tree_flatten_with_path(optim.decay_mask(params))[0]}

@@ -89,7 +89,7 @@ def positive_int(owner: str, name: str, value, *, minimum: int = 1) -> None:
     raise ValueError(f"{owner}: `{name}` must be an int ≥ {minimum}, got {value!r}")
 
 
-def anchor(owner: str, value, name: str = "apf_anchor") -> None:
+def apf_anchor_option(owner: str, value, name: str = "apf_anchor") -> None:
   if not isinstance(value, str) or value not in ANCHORS:
     raise ValueError(f"{owner}: `{name}` must be 'zero' or 'init', got {value!r}")
 
@@ -107,7 +107,7 @@ def lam(owner: str, value) -> None:
   number(owner, "lam", value, low=0.0, low_open=True)
 
 
-def gamma(owner: str, value, name: str = "guard") -> None:
+def guard_option(owner: str, value, name: str = "guard") -> None:
   """The guard γ: None (off) or > 0."""
   number(owner, name, value, low=0.0, low_open=True, optional=True)
 
@@ -126,10 +126,10 @@ def osdn(owner: str, *, eta, d_init, d_min, d_max, guard, apf_anchor, apf_bias=N
          d_init_in_bounds: bool = True) -> None:
   """OSDN's options. d_init_in_bounds: d_init must also lie in [d_min, d_max] (a point's options; the functions
   take any d_init, as they take any initial state, and clip from the second token on)."""
-  anchor(owner, apf_anchor)
+  apf_anchor_option(owner, apf_anchor)
   lo, hi = d_pass(owner, eta=eta, d_min=d_min, d_max=d_max)
   number(owner, "d_init", d_init, scalar=False)
-  gamma(owner, guard)
+  guard_option(owner, guard)
   number(owner, "apf_bias", apf_bias, optional=True)
   arr = values(owner, "d_init", d_init) if d_init_in_bounds else None
   if arr is not None and ((lo is not None and np.any(arr < lo)) or (hi is not None and np.any(arr > hi))):
@@ -139,7 +139,7 @@ def osdn(owner: str, *, eta, d_init, d_min, d_max, guard, apf_anchor, apf_bias=N
 
 def fixed(owner: str, *, d_init, guard) -> None:
   number(owner, "d_init", d_init, low=0.0, low_open=True, scalar=False)
-  gamma(owner, guard)
+  guard_option(owner, guard)
 
 
 def dims(owner: str, **sizes) -> None:

@@ -184,16 +184,16 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
 # ---------------------------------------------------------------------------------------------------------
 # OSDN: the online hypergradient write scale.
 # ---------------------------------------------------------------------------------------------------------
-def apply_guard(w, k, beta, gamma):
+def apply_guard(w, k, beta, guard):
   """w · min(1, γ / max(β⟨k, w⟩, 1e-12)): caps each step's β⟨k, k̃⟩ at γ (2 keeps it stable). None: off.
 
   w, k [B, T, G, K]; beta [B, T, G].
   """
-  checks.gamma("apply_guard", gamma, "gamma")
-  if gamma is None:
+  checks.guard_option("apply_guard", guard)
+  if guard is None:
     return w
   s = beta * jnp.sum(k * w, axis=-1)
-  return w * jnp.minimum(1.0, gamma / jnp.maximum(s, 1e-12))[..., None]
+  return w * jnp.minimum(1.0, guard / jnp.maximum(s, 1e-12))[..., None]
 
 
 def bound(d, lo, hi):
@@ -226,7 +226,7 @@ def osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
   return k, beta, u, n, r, jnp.broadcast_to(d_init, shape[1:]), d1
 
 
-def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
+def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
                 implementation="auto", chunk_size=64):
   """OSDN's d-pass: the write scale d_t of every token and d_{T+1}, from keys and gains only.
 
@@ -243,20 +243,20 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
   the bounds static numbers) or "auto" (the chunked form when unclipped and unpacked, else the kernel on a GPU
   when it supports the call, else the scan).
   """
-  checks.anchor("osdn_d_pass", anchor, "anchor")
+  checks.apf_anchor_option("osdn_d_pass", apf_anchor)
   checks.d_pass("osdn_d_pass", eta=eta, d_min=d_min, d_max=d_max)
   checks.positive_int("osdn_d_pass", "chunk_size", chunk_size)
   impl = dispatch.normalize("osdn_d_pass", implementation)
   if impl in ("xla", "auto") and d_min is None and d_max is None and segment_ids is None:
-    return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, anchor=anchor, chunk_size=chunk_size)
+    return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, apf_anchor=apf_anchor, chunk_size=chunk_size)
   if impl != "reference":
     static = all(x is None or isinstance(x, numbers.Real) for x in (eta, d_min, d_max))
     kind, kernel, _ = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static)
     if kind == "pallas":
       ids = None if segment_ids is None else packing.segment_index(segment_ids)
-      return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor,
+      return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
                     segment_ids=ids)
-  bounds = dict(eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
+  bounds = dict(eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor)
   if segment_ids is not None:
     return _osdn_serial_packed(u, n, beta, retention, d1, d_init, segment_ids=segment_ids, **bounds)
 
@@ -269,21 +269,21 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor,
   return jnp.moveaxis(ds, 0, 1), d_last
 
 
-def osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, anchor):
+def osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, apf_anchor):
   """One token's step of the d-pass: d_{t+1} = clip(keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t, d_min, d_max),
   keep_t as in `osdn_d_pass`. d, u_t [B, G, K]; n_t, b_t, r_t [B, G] (r_t None: r ≡ 1); a bound of None does not
   act (both None: the unclipped d̄_{t+1})."""
   step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
   if r_t is None:
     keep = d
-  elif anchor == "zero":
+  elif apf_anchor == "zero":
     keep = r_t[..., None] * d
   else:
     keep = d_init + r_t[..., None] * (d - d_init)
   return bound(keep + step, d_min, d_max)
 
 
-def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids):
+def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids):
   starts = packing.segment_starts(segment_ids)                         # [B, T]
   seg = packing.segment_index(segment_ids)
   count = d1.shape[0]
@@ -291,7 +291,7 @@ def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor,
   def body(d, x):
     u_t, n_t, b_t, r_t, start_t, seg_t = x
     d = jnp.where(start_t[:, None, None], d1[jnp.minimum(seg_t, count - 1)], d)
-    d_next = osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, anchor=anchor)
+    d_next = osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor)
     return d_next, (d, d_next)
 
   time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
@@ -303,7 +303,7 @@ def _osdn_serial_packed(u, n, beta, r, d1, d_init, *, eta, d_min, d_max, anchor,
   return ds, last
 
 
-def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
+def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, apf_anchor, chunk_size):
   """The unclipped d-pass as a delta rule with a one-column state (exact; finite at β = 0).
 
   With y = d − o (o = 0 for anchor "zero", d_init for "init"), c = ηβ²/‖k‖² and b = ηβ(1 − β⟨o, k²⟩)/‖k‖²:
@@ -313,7 +313,7 @@ def _osdn_chunked(u, n, beta, r, d1, d_init, *, eta, anchor, chunk_size):
   β' = 1 (r is floored at e^−30 in `osdn_inputs` for every form, so 1/r ≤ e^30 stays finite, and the chunk
   form's e^{G_i} cancels it exactly). S_t = y_{t+1}: the states before each token give d_t.
   """
-  o = d_init if anchor == "init" else jnp.zeros_like(d_init)
+  o = d_init if apf_anchor == "init" else jnp.zeros_like(d_init)
   c = eta * beta * beta / n
   b = eta * beta * (1.0 - beta * jnp.sum(o * u, -1)) / n
   if r is None:
@@ -380,7 +380,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     # Traced ids and no initial_state: N is unknown, every segment starts from d_init, no final states.
     n_seg = num_segments(segment_ids, initial_state) or 1
   kx, beta, u, n, r, d0, d1 = osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
-  ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, anchor=apf_anchor,
+  ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
                            segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
@@ -394,7 +394,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
 
 def fixed_write_key(k, beta, d, *, guard=2.0):
   """The control point: k̃ = guard(d ⊙ k) with a constant write scale d (broadcastable to [G, K]; γ > 0 or None)."""
-  checks.gamma("fixed_write_key", guard)
+  checks.guard_option("fixed_write_key", guard)
   heads = beta.shape[2]
   ct = _ct(k, beta)
   kx = jnp.asarray(_on_heads(k, heads), ct)

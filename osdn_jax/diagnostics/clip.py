@@ -22,7 +22,7 @@ def d_pass_inputs(point, k, beta, features=None) -> tuple[dict, dict]:
   """The d-pass of OSDN point `point` (a `dgps.Point` with precond "osdn" or "osdn-apf") from d_init, built as its
   write key builds it, on its prepared keys k [B, T, H, K] (normalised, as `Point.prepare` returns them), gains
   beta [B, T, G] and precond features ({"r": [B, T, HV]} for APF): ({u, n, beta, retention, d1, d_init},
-  {eta, d_min, d_max, anchor}), the arguments of `clip_trajectory` and `clip_activity` (retention None: r ≡ 1)."""
+  {eta, d_min, d_max, apf_anchor}), the arguments of `clip_trajectory` and `clip_activity` (retention None: r ≡ 1)."""
   if not registry.has_osdn_pass(point):
     raise ValueError(f"d_pass_inputs: point {point.name!r} has no OSDN d-pass (precond "
                      f"{point.axis_name('precond')!r})")
@@ -30,23 +30,23 @@ def d_pass_inputs(point, k, beta, features=None) -> tuple[dict, dict]:
   retention = registry.osdn_retention(features or {})
   _, beta, u, n, r, d_init, d1 = precond.osdn_inputs(k, beta, retention, o["d_init"], None)
   arrays = dict(u=u, n=n, beta=beta, retention=r, d1=d1, d_init=d_init)
-  return arrays, dict(eta=o["eta"], d_min=o["d_min"], d_max=o["d_max"], anchor=o["apf_anchor"])
+  return arrays, dict(eta=o["eta"], d_min=o["d_min"], d_max=o["d_max"], apf_anchor=o["apf_anchor"])
 
 
-def clip_trajectory(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor):
+def clip_trajectory(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor):
   """The clipped d-pass and where its clip acted.
 
   Returns (ds [B, T, G, K] the d token t writes with, d_{T+1} [B, G, K], below and above [B, T, G, K] bool:
   token t's update d̄_{t+1} < d_min, > d_max). A bound of None never acts. ds and d_{T+1} are those of
   `osdn_d_pass(implementation="reference")`.
   """
-  checks.anchor("clip_trajectory", anchor, "anchor")
+  checks.apf_anchor_option("clip_trajectory", apf_anchor)
   checks.d_pass("clip_trajectory", eta=eta, d_min=d_min, d_max=d_max)
   outside = lambda bar, bound, side: jnp.zeros(bar.shape, bool) if bound is None else side(bar, bound)
 
   def body(d, x):
     u_t, n_t, b_t, r_t = x
-    bar = precond.osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=None, d_max=None, anchor=anchor)
+    bar = precond.osdn_update(d, u_t, n_t, b_t, r_t, d_init, eta=eta, d_min=None, d_max=None, apf_anchor=apf_anchor)
     below, above = outside(bar, d_min, jnp.less), outside(bar, d_max, jnp.greater)
     return precond.bound(bar, d_min, d_max), (d, below, above)
 
@@ -81,9 +81,9 @@ def clip_fractions(ds, below, above, *, d_min, d_max, chunk_sizes=(16, 64, 128))
               d_at_min=per_head(at(d_min)), d_at_max=per_head(at(d_max)))
 
 
-def clip_activity(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, chunk_sizes=(16, 64, 128)):
+def clip_activity(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, chunk_sizes=(16, 64, 128)):
   """How often the d-pass's clip acts, per head: `clip_fractions` of `clip_trajectory` (jit-able with the options
   and chunk_sizes static)."""
   ds, _, below, above = clip_trajectory(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max,
-                                        anchor=anchor)
+                                        apf_anchor=apf_anchor)
   return clip_fractions(ds, below, above, d_min=d_min, d_max=d_max, chunk_sizes=chunk_sizes)

@@ -177,7 +177,7 @@ class DGPSMixer(nnx.Module):
 
   Parameters: q_proj, k_proj [D, H·K], v_proj [D, HV·V], conv [W, 2·H·K + HV·V], one FeatureProjection per
   feature of the point under features[axis][name], the point's own parameters under point_params[axis][name]
-  (e.g. A_log, dt_bias, PDN's centre), o_norm [V], g_proj [D, HV·V] when gated, o_proj [HV·V, D].
+  (e.g. A_log, dt_bias, PDN's center), o_norm [V], g_proj [D, HV·V] when gated, o_proj [HV·V, D].
   """
 
   def __init__(self, cfg: MixerConfig, *, rngs: nnx.Rngs):

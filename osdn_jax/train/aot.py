@@ -142,7 +142,7 @@ def compile_for_topology(config, topology: str, *, segments_per_row: int | None 
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   loop.rows_per_process(config, mesh)
   cfg = loop.model_config(config, vocab or vocab_size(config))
-  mesh_lib.check_heads(cfg, mesh)
+  mesh_lib.check_tensor_axis(cfg, mesh)
   if segments_per_row is None:
     segments_per_row = 4 if config.data.source == "text" else 1
 

@@ -529,7 +529,7 @@ def setup(config, workdir: pathlib.Path) -> TrainSetup:
   pipeline = data_lib.make_pipeline(config.data, seq_len=config.seq_len, batch_size=config.batch_size,
                                     seed=config.seed, rows=_batch_rows(config, mesh))
   cfg = model_config(config, pipeline.vocab_size)
-  mesh_lib.check_heads(cfg, mesh)
+  mesh_lib.check_tensor_axis(cfg, mesh)
   mesh_lib.check_length(config.seq_len, mesh)
   try:
     held_out = eval_batches(config, rows=rows, shard=shard, shards=shards, vocab_size=cfg.vocab_size) \

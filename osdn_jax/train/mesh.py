@@ -104,7 +104,7 @@ def like_params(tree, params, param_sh, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(choose, tree)
 
 
-def check_heads(model_cfg, mesh: Mesh) -> None:
+def check_tensor_axis(model_cfg, mesh: Mesh) -> None:
   """ValueError unless the tensor axis splits the key heads, the value heads and the MLP's hidden units."""
   dims, split = model_cfg.mixer.dims, mesh.shape["tensor"]
   if dims.heads % split or dims.value_heads % split or model_cfg.hidden % split:

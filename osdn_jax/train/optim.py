@@ -5,7 +5,7 @@
 
 Weight decay applies to the matrices (Linear kernels, the tied embedding, the short-conv filters) and to
 nothing else: not to norm scales, biases, or the point's own parameters (decay gates A_log / dt_bias, the PDN
-centre, a fixed scale) — those set time scales and offsets, which decay would drag towards zero.
+center, a fixed scale) — those set time scales and offsets, which decay would drag towards zero.
 """
 from __future__ import annotations
 

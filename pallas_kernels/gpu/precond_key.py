@@ -19,7 +19,7 @@ through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
   B2. ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T (dA_0 = ν_0): the same two-level scan on the chunk-reversed arrays;
   B3. `grads`: the rows' A_t forward, then in reverse λ_t = dA_t + e^{g_{t+1}} λ_{t+1} (after the last row:
       ν_{c+1}); dk = 2βk ⊙ λ, dβ_t = Σ_K k² ⊙ λ_t, dg_t = e^{g_t} Σ_K λ_t ⊙ A_{t−1}, plus the transform's own
-      terms (pdn: dk += dy ⊙ M and the centre's dc; atq: dq = dy / (A + λ)). dβ, dg of a split K and dc of
+      terms (pdn: dk += dy ⊙ M and the center's dc; atq: dq = dy / (A + λ)). dβ, dg of a split K and dc of
       every program come out as partial sums over an extra axis, summed in XLA.
 Every factor is e^{g}, e^{G} or e^{G_C − G} ≤ 1: nothing to mask, nothing overflows. Every row of a chunk is
 loaded before the first store (a load after a store to a ref that may alias it is not issued early).
@@ -102,7 +102,7 @@ class Static:
 # load after a store to a ref that may alias it could not be issued earlier), the recurrence runs row by row.
 # ---------------------------------------------------------------------------------------------------------
 def _transform(st, A, k, p):
-  """y [BK] from A, k and p: the centre (pdn) or q (atq)."""
+  """y [BK] from A, k and p: the center (pdn) or q (atq)."""
   return precond_transform(st.transform, A, k, p, x=st.x, eps=st.eps, lam=st.lam)
 
 
@@ -118,7 +118,7 @@ def _transform_vjp(st, A, k, p, dy):
 
 
 class _Rows(NamedTuple):
-  """One chunk's rows, loaded: k, p (q rows, or the centre repeated), dy (backward) as lists of [BK] fp32; β,
+  """One chunk's rows, loaded: k, p (q rows, or the center repeated), dy (backward) as lists of [BK] fp32; β,
   e^{g} and e^{G} (in-chunk cumsum) as lists of scalars."""
   k: list
   p: list
@@ -198,7 +198,7 @@ def _grads_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, dy_ref, nu_ref, *o
 # Layout and launches.
 # ---------------------------------------------------------------------------------------------------------
 class _Prep(NamedTuple):
-  """The padded, laid-out inputs: k [B, Tp, H, Kp]; p = q [B, Tp, H, Kp] or the centre broadcast to [H, Kp];
+  """The padded, laid-out inputs: k [B, Tp, H, Kp]; p = q [B, Tp, H, Kp] or the center broadcast to [H, Kp];
   head-major [B, H, Tp]: beta, g, G (in-chunk cumsums of g), w = β e^{G_C − G}; G_C [B, NC, H] (chunk totals);
   A0 [B, H, Kp]."""
   k: jax.Array
@@ -211,7 +211,7 @@ class _Prep(NamedTuple):
   A0: jax.Array
 
 
-def _prepare(k, q, beta, g, A0, centre, st):
+def _prepare(k, q, beta, g, A0, center, st):
   b, t, h, kd = k.shape
   c = st.config.chunk
   tp, kp = padded_length(t, c), padded_dim(kd)
@@ -219,7 +219,7 @@ def _prepare(k, q, beta, g, A0, centre, st):
   g, beta = head_major(g, tp), head_major(beta, tp)                                          # [B, H, Tp]
   G = jnp.cumsum(g.reshape(b, h, nc, c), axis=-1)
   w = beta.reshape(b, h, nc, c) * jnp.exp(G[..., -1:] - G)
-  p = jnp.broadcast_to(centre[:, None], (h, kp)) if st.pdn else pad_tokens(q, tp, kp)
+  p = jnp.broadcast_to(center[:, None], (h, kp)) if st.pdn else pad_tokens(q, tp, kp)
   return _Prep(k=pad_tokens(k, tp, kp), p=p, beta=beta, g=g, G=G.reshape(b, h, tp), w=w.reshape(b, h, tp),
                G_C=jnp.swapaxes(G[..., -1], 1, 2), A0=pad_axis(A0, 2, kp))
 
@@ -330,8 +330,8 @@ def _grads(prep, A_in, dy, nu_next, st, q_dtype):
 # ---------------------------------------------------------------------------------------------------------
 # custom_vjp.
 # ---------------------------------------------------------------------------------------------------------
-def _forward(k, q, beta, g, A0, centre, st):
-  prep = _prepare(k, q, beta, g, A0, centre, st)
+def _forward(k, q, beta, g, A0, center, st):
+  prep = _prepare(k, q, beta, g, A0, center, st)
   A_in, A_T = _carries(prep, st)
   y = _apply(prep, A_in, st, k.dtype if st.pdn else q.dtype)
   _, t, _, kd = k.shape
@@ -339,20 +339,20 @@ def _forward(k, q, beta, g, A0, centre, st):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _precond_key(k, q, beta, g, A0, centre, st):
-  return _forward(k, q, beta, g, A0, centre, st)[0]
+def _precond_key(k, q, beta, g, A0, center, st):
+  return _forward(k, q, beta, g, A0, center, st)[0]
 
 
-def _fwd(k, q, beta, g, A0, centre, st):
-  out, A_in = _forward(k, q, beta, g, A0, centre, st)
+def _fwd(k, q, beta, g, A0, center, st):
+  out, A_in = _forward(k, q, beta, g, A0, center, st)
   # Named for rematerialisation policies (with the key itself, named by its caller): the backward's one residual.
-  return out, (k, q, beta, g, A0, centre, checkpoint_name(A_in, "precond_pass"))
+  return out, (k, q, beta, g, A0, center, checkpoint_name(A_in, "precond_pass"))
 
 
 def _bwd(st, res, cts):
-  k, q, beta, g, A0, centre, A_in = res
+  k, q, beta, g, A0, center, A_in = res
   dy, dA_T = cts
-  prep = _prepare(k, q, beta, g, A0, centre, st)
+  prep = _prepare(k, q, beta, g, A0, center, st)
   b, t, h, kd = k.shape
   tp, kp = prep.k.shape[1], prep.k.shape[3]
   dy = pad_tokens(dy, tp, kp)
@@ -375,19 +375,19 @@ def pdn_static(x: float, eps: float, config: Config, interpret: bool) -> Static:
   return Static("pdn", float(x), float(eps), 1.0, config, interpret)
 
 
-def pdn_moments(k, beta, g, A0, centre, st: Static):
+def pdn_moments(k, beta, g, A0, center, st: Static):
   """For a caller that forms PDN's key itself (`delta_rule.prep.PdnKey`): (A_in, the moment entering every
   chunk of st.config.chunk tokens [B, NC, H, K] fp32, A_T [B, H, K] fp32, head-major βᴾ and gᴾ [B, H, T]). k
   [B, T, H, K] with T a multiple of the chunk and K padded; beta, g (clamped) [B, T, H] fp32; A0 [B, H, K]."""
-  prep = _prepare(k, None, beta, g, A0, centre, st)
+  prep = _prepare(k, None, beta, g, A0, center, st)
   A_in, A_T = _carries(prep, st)
   return A_in, A_T, prep.beta, prep.g
 
 
-def pdn_backward(st: Static, k, beta, g, A0, centre, A_in, dy, dA_T):
+def pdn_backward(st: Static, k, beta, g, A0, center, A_in, dy, dA_T):
   """The cotangents (dk, dβ, dg, dA0, dc) of PDN's key for the inputs of `pdn_moments` and its A_in, from those
   of the key dy [B, T, H, K] and of A_T."""
-  dk, _, dbeta, dg, dA0, dc = _bwd(st, (k, None, beta, g, A0, centre, A_in), (dy, dA_T))
+  dk, _, dbeta, dg, dA0, dc = _bwd(st, (k, None, beta, g, A0, center, A_in), (dy, dA_T))
   return dk, dbeta, dg, dA0, dc
 
 
@@ -414,8 +414,8 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   f32 = lambda a: jnp.asarray(a, F32)
   A0 = jnp.zeros((b, h, kd), F32) if initial_state is None else f32(initial_state)
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
-  centre = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
-  return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, centre, st)
+  center = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
+  return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, center, st)
 
 
 def supports(spec: Spec) -> bool:

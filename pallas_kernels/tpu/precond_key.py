@@ -33,7 +33,7 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   A, A_T = decayed_sum(k, log_decay, beta=beta, initial_state=initial_state, interpret=interpret, config=config)
   if transform == "atq":
     p, dtype = q.astype(jnp.float32), q.dtype
-  else:                                                   # the centre per head, against A [B, T, H, K]
+  else:                                                   # the center per head, against A [B, T, H, K]
     p, dtype = jnp.asarray(center, jnp.float32).reshape(-1)[:, None], k.dtype
   y = precond_transform(transform, A, k.astype(jnp.float32), p, x=x, eps=eps, lam=lam)
   return y.astype(dtype), A_T

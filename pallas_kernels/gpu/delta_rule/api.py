@@ -69,34 +69,34 @@ _solve.defvjp(_solve_fwd, _solve_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pdn_solve(st: Static, kst: precond_key.Static, q, k, v, beta, G, S0, bp, gp, A0, centre):
-  """(o, S_T, A_T) of PDN's key (moment gates bp, gp [B, T, H] fp32, A0 [B, H, K], centre [H]) and the solve;
+def _pdn_solve(st: Static, kst: precond_key.Static, q, k, v, beta, G, S0, bp, gp, A0, center):
+  """(o, S_T, A_T) of PDN's key (moment gates bp, gp [B, T, H] fp32, A0 [B, H, K], center [H]) and the solve;
   every array padded as `_solve`'s."""
-  return _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, centre, emit_t=False)[0]
+  return _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t=False)[0]
 
 
-def _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, centre, emit_t):
-  A_in, A_T, bp_heads, gp_heads = precond_key.pdn_moments(k, bp, gp, A0, centre, kst)
+def _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t):
+  A_in, A_T, bp_heads, gp_heads = precond_key.pdn_moments(k, bp, gp, A0, center, kst)
   b, h, tp = gp_heads.shape
   Gp = jnp.cumsum(gp_heads.reshape(b, h, tp // st.chunk, st.chunk), axis=-1).reshape(b, h, tp)
   key = PdnKey(A_in[:, ::st.chunk // kst.config.chunk], bp_heads, Gp,
-               jnp.broadcast_to(centre[:, None], (h, st.key_dim)), kst.x, kst.eps)
+               jnp.broadcast_to(center[:, None], (h, st.key_dim)), kst.x, kst.eps)
   o, S_T, *T, kw = forward.forward(st, q, k, None, v, beta, G, S0, emit_t=emit_t, key=key)
   return (o, S_T, A_T), (kw, A_in, *T)
 
 
-def _pdn_solve_fwd(st, kst, q, k, v, beta, G, S0, bp, gp, A0, centre):
-  out, (kw, A_in, T) = _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, centre, emit_t=True)
+def _pdn_solve_fwd(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center):
+  out, (kw, A_in, T) = _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t=True)
   # Named as `_solve_fwd`'s T and as the separate key's residuals (`precond.pdn_write_key`).
   kw, A_in = checkpoint_name(kw, "precond_pass"), checkpoint_name(A_in, "precond_pass")
-  return out, (q, k, kw, v, beta, G, S0, checkpoint_name(T, "delta_rule_T"), bp, gp, A0, centre, A_in)
+  return out, (q, k, kw, v, beta, G, S0, checkpoint_name(T, "delta_rule_T"), bp, gp, A0, center, A_in)
 
 
 def _pdn_solve_bwd(st, kst, res, cts):
-  q, k, kw, v, beta, G, S0, T, bp, gp, A0, centre, A_in = res
+  q, k, kw, v, beta, G, S0, T, bp, gp, A0, center, A_in = res
   do, dS_T, dA_T = cts
   dq, dk, dkw, dv, dbeta, dG, dS0 = backward.backward(st, (q, k, kw, v, beta, G, S0, None, T), do, dS_T)
-  dk_key, dbp, dgp, dA0, dc = precond_key.pdn_backward(kst, k, bp, gp, A0, centre, A_in, dkw, dA_T)
+  dk_key, dbp, dgp, dA0, dc = precond_key.pdn_backward(kst, k, bp, gp, A0, center, A_in, dkw, dA_T)
   dk = (dk.astype(jnp.float32) + dk_key.astype(jnp.float32)).astype(k.dtype)
   return dq.astype(q.dtype), dk, dv.astype(v.dtype), dbeta, dG, dS0, dbp, dgp, dA0, dc
 
@@ -108,7 +108,7 @@ _pdn_solve.defvjp(_pdn_solve_fwd, _pdn_solve_bwd)
                                              "low_precision", "num_segments", "key_static"))
 def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, key_inputs=None, *,
                 scale, chunk_size, forward_chunk, config, interpret, low_precision, num_segments, key_static=None):
-  """key_static (`precond_key.Static`) with key_inputs (βᴾ, log-decayᴾ, centre, A0ᴾ): PDN's key formed in the
+  """key_static (`precond_key.Static`) with key_inputs (βᴾ, log-decayᴾ, center, A0ᴾ): PDN's key formed in the
   solve (`_pdn_solve`, unpacked, decay none or scalar); then also returns A_T."""
   b, t, h, kd = q.shape
   hv, vd = v.shape[2:]
@@ -148,12 +148,12 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
               low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
               grad_dtype=jnp.dtype(dtype).name, forward_chunk=forward_chunk)
   if key_static is not None:
-    bp, gp, centre, A0p = key_inputs
+    bp, gp, center, A0p = key_inputs
     bp = pad_axis(bp.astype(jnp.float32), 1, tp)
     gp = pad_axis(jnp.maximum(gp.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
     A0p = jnp.zeros((b, h, kp), jnp.float32) if A0p is None else pad_axis(A0p.astype(jnp.float32), 2, kp)
-    centre = jnp.broadcast_to(jnp.asarray(centre, jnp.float32), (h,))
-    o, S, A_T = _pdn_solve(st, key_static, q, k, v, beta, G, S0_in, bp, gp, A0p, centre)
+    center = jnp.broadcast_to(jnp.asarray(center, jnp.float32), (h,))
+    o, S, A_T = _pdn_solve(st, key_static, q, k, v, beta, G, S0_in, bp, gp, A0p, center)
     return o[:, :t, :, :vd], S[:, :, :kd, :vd], A_T[..., :kd]
   o, S = _solve(st, q, k, kw, v, beta, G, g_wide, S0_in, info)
   if not n_seg:

@@ -29,12 +29,12 @@ from pallas_kernels.gpu.intra import ALL, Channel, block, decay_factor, inverse_
 
 class PdnKey(NamedTuple):
   """PDN's write key formed in `prep`: A_in, the second moment entering every chunk [B, NC, H, K] fp32; βᴾ and
-  Gᴾ (in-chunk cumsum of the moment's log-decay) head-major [B, H, T] fp32; the centre [H, K] fp32; x and ε
+  Gᴾ (in-chunk cumsum of the moment's log-decay) head-major [B, H, T] fp32; the center [H, K] fp32; x and ε
   (static)."""
   A_in: jax.Array
   beta: jax.Array
   G: jax.Array
-  centre: jax.Array
+  center: jax.Array
   x: float
   eps: float
 
@@ -43,13 +43,13 @@ def pdn_key_blocks(st, key, k_ref, ain_ref, bp_ref, gp_ref, c_ref, kw_out_ref):
   """PDN's write key of one chunk, block by block (a generator of n blocks [s, K] in k's dtype, each stored
   into kw_out_ref as it forms; `PdnKey`)."""
   s, n = st.sub, st.num_sub
-  A_end, G_end, centre = ain_ref[...], 0.0, c_ref[...]
+  A_end, G_end, center = ain_ref[...], 0.0, c_ref[...]
   for a in range(n):
     k, G = load(k_ref, block(a, s)), load(gp_ref, block(a, s))
     pairs = decay_factor(G, s, strict=False) * load(bp_ref, block(a, s))[None, :]
     A = dot(pairs, k * k) + jnp.exp(G - G_end)[:, None] * A_end[None, :]        # Gᴾ non-increasing: e^{…} ≤ 1
     A_end, G_end = last_row(A), last_row(G)
-    kw = (precond_key.pdn_scale(A, centre[None, :], key.x, key.eps)[0] * k).astype(k_ref.dtype)
+    kw = (precond_key.pdn_scale(A, center[None, :], key.x, key.eps)[0] * k).astype(k_ref.dtype)
     kw_out_ref[block(a, s), :] = kw
     yield kw
 
@@ -148,7 +148,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
   if key is not None:
     in_specs += [pl.BlockSpec((_SQ, _SQ, _SQ, st.key_dim), lambda b, h, c: (b, c, h, 0)),     # [B, NC, H, K]
                  L.vector(st, w), L.vector(st, w), pl.BlockSpec((_SQ, st.key_dim), lambda b, h, c: (h, 0))]
-    args += [key.A_in, key.beta, key.G, key.centre]
+    args += [key.A_in, key.beta, key.G, key.center]
   hv, t = (st.batch, st.value_heads), st.length
   out_specs = [L.head_major(st, st.key_dim, w), L.head_major(st, st.value_dim, w)]
   out_shape = [jax.ShapeDtypeStruct((*hv, t, st.key_dim), st.mm), jax.ShapeDtypeStruct((*hv, t, st.value_dim), st.mm)]
@@ -158,7 +158,7 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
   if key is not None:
     out_specs.append(L.tokens(st, st.key_dim, w))
     out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
-  statics = None if key is None else key._replace(A_in=None, beta=None, G=None, centre=None)
+  statics = None if key is None else key._replace(A_in=None, beta=None, G=None, center=None)
   kernel = lambda *refs: _kernel(st, source, emit_t, decayed, statics, *refs)
   warps = heuristics.prep_warps(st.config, st.decay, st.low_precision, source, key is not None)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,

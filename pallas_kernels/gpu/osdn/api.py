@@ -108,7 +108,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, con
   return ds[..., :kd], d_last[..., :kd]
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
            config: Config | None = None, interpret: bool | None = None):
   """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
 
@@ -141,14 +141,14 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segm
     if d1.ndim != 3 or d1.shape[1:] != (g, kd) or d1.shape[0] < 1:
       raise ValueError(f"osdn d_pass (pallas gpu): packed, `d1` must be [N, G, K] with G, K = {(g, kd)}, got "
                        f"{d1.shape}")
-  if anchor not in ("zero", "init"):
-    raise ValueError(f"osdn d_pass (pallas gpu): `anchor` must be 'zero' or 'init', got {anchor!r}")
+  if apf_anchor not in ("zero", "init"):
+    raise ValueError(f"osdn d_pass (pallas gpu): `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
   where = "osdn d_pass (pallas gpu)"
   eta = static_number(where, "eta", eta)
   d_min, d_max = static_number(where, "d_min", d_min), static_number(where, "d_max", d_max)
   interpret = default_interpret(interpret)
   config = config or (_CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT))
-  mode = "none" if retention is None else anchor
+  mode = "none" if retention is None else apf_anchor
   return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, eta=eta, d_min=d_min, d_max=d_max,
               mode=mode, config=config, interpret=interpret)
 

@@ -107,7 +107,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   return ds, d_last
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segment_ids=None,
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
            config: Config | None = None, interpret=None):
   """OSDN's sequential d-pass with the Pallas TPU kernels (Mosaic on a TPU, TPU interpret mode on a CPU).
 
@@ -147,13 +147,13 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, anchor, segm
     fits = False
   if not fits:
     raise ValueError(f"{NAME}: `d_init` must broadcast to [G, K] = {(g, kd)}, got {jnp.shape(d_init)}")
-  if anchor not in ("zero", "init"):
-    raise ValueError(f"{NAME}: `anchor` must be 'zero' or 'init', got {anchor!r}")
+  if apf_anchor not in ("zero", "init"):
+    raise ValueError(f"{NAME}: `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
   eta = static_number(NAME, "eta", eta)
   d_min, d_max = static_number(NAME, "d_min", d_min), static_number(NAME, "d_max", d_max)
   if eta is None:
     raise ValueError(f"{NAME}: `eta` must be a static number, got None")
-  st = static(t, g, kd, eta=eta, d_min=d_min, d_max=d_max, mode="none" if retention is None else anchor,
+  st = static(t, g, kd, eta=eta, d_min=d_min, d_max=d_max, mode="none" if retention is None else apf_anchor,
               segments=count, config=config or Config(), interpret=common.default_interpret(interpret))
   return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, st=st)
 
