@@ -2,9 +2,10 @@
 
 For every named point: the chunked XLA path (fp32) against the point's own token-serial composition (fp64):
 outputs, final state and the worst gradient over all inputs (q, k, v, projected features, parameters), as
-relative RMS; then the diagnostics of the run: q_geo (closed form from the gates, and measured through the
-recurrence), the range of the per-step eigenvalues, max ‖S_t‖₂ and the recall residual of the final state on
-all stored pairs; and the forward time of each implementation.
+relative RMS; `dgps.check_point`'s chaining (the sequence cut in two, carried through the final state) and
+decoding (one token at a time) in fp64; then the diagnostics of the run: q_geo (closed form from the gates, and
+measured through the recurrence), the range of the per-step eigenvalues, max ‖S_t‖₂ and the recall residual
+of the final state on all stored pairs; and the forward time of each implementation.
 
   python -m experiments.tour [--batch 2 --length 256 --heads 2 --value_heads 4 --dim 32 --chunk 64]
 """
@@ -82,7 +83,8 @@ def main(argv):
   b, t, c = _B.value, _T.value, _CHUNK.value
   print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={dims.heads} HV={dims.value_heads} "
         f"K=V={dims.key_dim} chunk={c}; errors: relative RMS, chunked fp32 vs the point's token-serial fp64")
-  head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'q_geo':>6} {'q_geo*':>6} "
+  head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'chain':>7} {'decode':>7} "
+          f"{'q_geo':>6} {'q_geo*':>6} "
           f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'ref ms':>8}")
   print(head + "\n" + "-" * len(head))
   for name in _POINTS.value or dgps.names():
@@ -91,13 +93,16 @@ def main(argv):
     (o, st), g = _run_with_grads(point, inputs, "xla", jnp.float32, c)
     (o_ref, st_ref), g_ref = _run_with_grads(point, inputs, "reference", jnp.float64, c)
     err_g = max(rel_rms(a, r) for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
+    report = dgps.check_point(point, dims, chunk_size=min(c, 16))
     qg, qm, lo, hi, smax, recall = _diagnostics(point, inputs)
     axes = "/".join(point.axis_name(kind) for kind in ("decay", "gain", "precond", "solve"))
     print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
+          f"{report['chaining']:7.1e} {report['decoding']:7.1e}{'' if report['ok'] else '!'} "
           f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
           f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "
           f"{_median_ms(point, inputs, 'reference', c, _REPEATS.value):8.2f}", flush=True)
-  print("q_geo: exp(mean log (1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
+  print("chain, decode: `dgps.check_point` (! where a check exceeds its tolerance). q_geo: exp(mean log "
+        "(1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
         f"per-step transition's eigenvalues (first {_EIG_TOKENS} tokens, decay included). max‖S‖: largest "
         "spectral norm of the state over the run. recall: mean ‖S_Tᵀk_j − v_j‖²/‖v_j‖² over all pairs. Inputs "
         "are random projections, not a trained model: a tour of the machinery, not a comparison of variants.")

@@ -45,7 +45,7 @@ def _unit(x):
 _inputs = random_d_pass_inputs
 
 
-def _pre_clip(a, ds, *, eta, anchor, learned_r):
+def _pre_clip(a, ds, *, eta, apf_anchor, learned_r):
   """d̄_{t+1} for every token from the d_t each token writes with (numpy, fp64)."""
   u, n, b, r, d0 = (np.asarray(a[x], np.float64) for x in ("u", "n", "beta", "r", "d0"))
   d = np.asarray(ds, np.float64)
@@ -53,7 +53,7 @@ def _pre_clip(a, ds, *, eta, anchor, learned_r):
   step = (eta * b * (1 - b * s) / n)[..., None] * u
   if not learned_r:
     return d + step
-  return (r[..., None] * d if anchor == "zero" else d0 + r[..., None] * (d - d0)) + step
+  return (r[..., None] * d if apf_anchor == "zero" else d0 + r[..., None] * (d - d0)) + step
 
 
 def _both(a, *, learned_r, config=None, **kw):

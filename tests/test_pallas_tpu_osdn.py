@@ -48,12 +48,12 @@ def _values_and_grads(fn, args, seed):
   return tuple(outs) + tuple(grads)
 
 
-def _clipped_fraction(a, ds, *, eta, lo, hi, anchor, learned_r):
+def _clipped_fraction(a, ds, *, eta, lo, hi, apf_anchor, learned_r):
   """The fraction of entries whose d̄_{t+1} lies beyond a bound, from the d_t each token writes with (fp64)."""
   u, n, b, r, o = (np.asarray(a[x], np.float64) for x in ("u", "n", "beta", "r", "d0"))
   d = np.asarray(ds, np.float64)
   step = (eta * b * (1 - b * np.sum(d * u, -1)) / n)[..., None] * u
-  keep = d if not learned_r else (r[..., None] * d if anchor == "zero" else o + r[..., None] * (d - o))
+  keep = d if not learned_r else (r[..., None] * d if apf_anchor == "zero" else o + r[..., None] * (d - o))
   d_bar = keep + step
   return float(np.mean((d_bar < (-np.inf if lo is None else lo)) | (d_bar > (np.inf if hi is None else hi))))
 
