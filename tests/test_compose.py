@@ -228,3 +228,27 @@ def test_check_point_holds_a_diagonal_carry_to_its_declaration():
 
 EMA_DIAGONAL = dgps.Axis(ema_scale, sets=("k_write",), defaults={"rho": 0.9},
                          state=dgps.State(heads="H", init=lambda o: 0.0, carry="diagonal"))
+
+
+def test_a_solve_takes_options_like_every_axis():
+  """A solve with an option (`Solve.defaults`, `Solve.check`): the point passes it to run and to step, its range
+  check runs when the point is made, and `check_point` holds it (chunked, chaining, decoding, gradients)."""
+  online = dgps.AXES["solve"]["online"]
+  scaled = dgps.Solve(
+      reads=online.reads, defaults={"beta_scale": 1.0},
+      run=lambda q, k, v, beta, *, beta_scale, **kw: online.run(q, k, v, beta * beta_scale, **kw),
+      step=lambda q, k, v, beta, state, *, beta_scale, **kw: online.step(q, k, v, beta * beta_scale, state, **kw),
+      check=lambda owner, o: dgps.checks.number(owner, "beta_scale", o["beta_scale"], low=0.0, high=1.0,
+                                                low_open=True))
+  half = dgps.compose(solve=scaled, beta_scale=0.5, name="test-scaled-solve")
+  q, k, v, feats, params, state = dgps.conformance.random_inputs(half, DIMS, 0)
+  got, _ = half(q, k, v, feats, params, state=state)
+  x = half.prepare(q, k, v, feats, params)
+  want, _ = online.run(x["q"], x["k"], x["v"], 0.5 * x["beta"], k_write=x["k_write"], log_decay=x["log_decay"],
+                       initial_state=state["S"])
+  whole, _ = dgps.compose(solve=scaled, name="test-scaled-solve-1")(q, k, v, feats, params, state=state)
+  assert rel_rms(got, want) < 1e-6 and rel_rms(whole, want) > 1e-2
+  assert half.opts["beta_scale"] == 0.5
+  assert dgps.check_point(half, DIMS)["ok"]
+  with pytest.raises(ValueError, match="beta_scale"):
+    dgps.compose(solve=scaled, beta_scale=2.0, name="test-scaled-solve-2")

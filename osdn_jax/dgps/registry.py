@@ -160,11 +160,14 @@ class Axis:
 class Solve:
   """One value of the solve axis. reads: the preconditioned input it consumes ("k_write": the online solve
   writes with it; "q_tilde": the offline solve reads with it). run(q, k, v, beta, **kw) and step(q, k, v, beta,
-  state, **kw) have the signatures of `dgps.solve.solve` and `dgps.solve.step` after their `kind`."""
+  state, **kw) have the signatures of `dgps.solve.solve` and `dgps.solve.step` after their `kind`; a solve with
+  options (`defaults`, range-checked by check(owner, options)) receives them as keyword arguments of both."""
   reads: tuple[str, ...]
   run: Callable[..., Any]
   step: Callable[..., Any]
   doc: str = ""
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  check: Callable[[str, Mapping[str, Any]], None] = lambda owner, opts: None
 
 
 def _shape3(c: Context):
@@ -311,6 +314,7 @@ SOLVES = {
 AXES = {"decay": DECAYS, "gain": GAINS, "precond": PRECONDS, "solve": SOLVES}
 _BUILTIN_AXES = {kind: frozenset(table) for kind, table in AXES.items()}
 _APPLIED = ("decay", "gain", "precond")
+_OPTIONED = _APPLIED + ("solve",)      # the axes that declare options
 
 
 def _l2norm(x, eps=1e-6):
@@ -368,18 +372,23 @@ class Point:
     if given.get("solve", self.axis_name("solve")) != self.axis_name("solve"):
       raise ValueError(f"{owner}: `solve` is the point's axis ({self.axis_name('solve')!r}), not an option; got "
                        f"solve={given['solve']!r} (compose the point with dgps.compose(solve=...))")
-    for kind in _APPLIED:
+    for kind in _OPTIONED:
       self.axis(kind).check(owner, dict(defaults, **given))
 
   def _defaults(self, owner: str) -> dict:
     """The options of every axis with their defaults; a name declared by two axes is a ValueError."""
     out, by = {}, {}
-    for kind in _APPLIED:
+    for kind in _OPTIONED:
       for name, value in self.axis(kind).defaults.items():
         if name in out:
           raise ValueError(f"{owner}: option {name!r} is declared by both the {by[name]} and the {kind} axis")
         out[name], by[name] = value, kind
     return out
+
+  def _solve_options(self) -> dict:
+    """The solve's own options (its `defaults`, overridden by the point's), for its run and step."""
+    solve, opts = self.axis("solve"), self.opts
+    return {name: opts[name] for name in solve.defaults}
 
   def axis(self, kind: str) -> Axis | Solve:
     """The value of axis `kind` ("decay", "gain", "precond", "solve") as an object."""
@@ -587,7 +596,7 @@ class Point:
     o, S = self.axis("solve").run(x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=state.get("S"),
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
-                           segment_ids=segment_ids, implementation=implementation)
+                           segment_ids=segment_ids, implementation=implementation, **self._solve_options())
     return o, ({"S": S, "precond": x["precond_state"]} if output_final_state else None)
 
   def _context_call(self, q, k, v, features, params, state, output_final_state, scale, chunk_size, segment_ids,
@@ -619,7 +628,8 @@ class Point:
     o, S = self.axis("solve").run(x["q"], x["k"], x["v"], x["beta"], k_write=x["k_write"],
                            q_tilde=x["q_tilde"], log_decay=x["log_decay"], initial_state=whole[0],
                            output_final_state=output_final_state, scale=scale, chunk_size=chunk_size,
-                           segment_ids=segment_ids, implementation=implementation, context=context)
+                           segment_ids=segment_ids, implementation=implementation, context=context,
+                           **self._solve_options())
     if not output_final_state:
       return o, None
     p_final = None if p_init is None else context_ops.whole_finals(x["precond_state"], p_whole, sh)
@@ -636,7 +646,7 @@ class Point:
     drop_t = lambda a: None if a is None else a[:, 0]
     o, S = self.axis("solve").step(drop_t(x["q"]), drop_t(x["k"]), drop_t(x["v"]), drop_t(x["beta"]),
                           state["S"], k_write=drop_t(x["k_write"]), q_tilde=drop_t(x["q_tilde"]),
-                          log_decay=drop_t(x["log_decay"]), scale=scale)
+                          log_decay=drop_t(x["log_decay"]), scale=scale, **self._solve_options())
     return o, {"S": S, "precond": x["precond_state"]}
 
 
