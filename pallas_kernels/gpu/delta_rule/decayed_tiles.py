@@ -16,11 +16,11 @@ from pallas_kernels.gpu.intra import ALL, load
 
 
 def _kernel(st, *refs):
-  kw_ref, g_ref, q_ref, kd_ref, qd_ref = split_refs(refs, 1, 1, len(refs) == 5, 1, len(refs) == 5)
+  kw_ref, g_ref, q_ref, k_decayed_ref, q_decayed_ref = split_refs(refs, 1, 1, len(refs) == 5, 1, len(refs) == 5)
   G = load(g_ref, ALL)
-  kd_ref[...] = row_scale(load(kw_ref, ALL), jnp.exp(last_row(G)[None, :] - G)).astype(kd_ref.dtype)
+  k_decayed_ref[...] = row_scale(load(kw_ref, ALL), jnp.exp(last_row(G)[None, :] - G)).astype(k_decayed_ref.dtype)
   if q_ref is not None:
-    qd_ref[...] = row_scale(load(q_ref, ALL), jnp.exp(G)).astype(qd_ref.dtype)
+    q_decayed_ref[...] = row_scale(load(q_ref, ALL), jnp.exp(G)).astype(q_decayed_ref.dtype)
 
 
 def decayed_tiles(st: L.Static, kw, G, q=None):

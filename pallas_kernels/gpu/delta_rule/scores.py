@@ -56,11 +56,11 @@ def _kernel(st, q_ref, k_ref, kw_ref, beta_ref, g_ref, akk_ref, aqk_ref, *tile_r
     cols = pl.ds(pl.multiple_of(i * kc, kc), kc)
     G, kw = load(g_ref, ALL, cols), load(kw_ref, ALL, cols)
     if tile_refs:
-      kd_ref, qd_ref, kwd_ref, gc_ref = tile_refs
+      k_decayed_ref, q_decayed_ref, kw_decayed_ref, gc_ref = tile_refs
       e, gc = jnp.exp(G), load(g_ref, c - 1, cols)
-      kd_ref[:, cols] = st.lo(load(k_ref, ALL, cols) * e)
-      qd_ref[:, cols] = st.lo(load(q_ref, ALL, cols) * e)
-      kwd_ref[:, cols] = st.lo(kw * jnp.exp(gc[None, :] - G))
+      k_decayed_ref[:, cols] = st.lo(load(k_ref, ALL, cols) * e)
+      q_decayed_ref[:, cols] = st.lo(load(q_ref, ALL, cols) * e)
+      kw_decayed_ref[:, cols] = st.lo(kw * jnp.exp(gc[None, :] - G))
       gc_ref[cols] = gc
     kk, qk = list(kk), list(qk)
     for a in range(n):
