@@ -80,14 +80,19 @@ def block_map(st, u, b, n, r, tf, wf, M, m):
   (P_L = Π_{i<L} a_i, Q_j = Π_{j<i<L} a_i; a ≡ 1 without a retention). M_b M is three products: Y = U M,
   Z = tf Y, then P_L M − (diag(Q ⊙ c) U)ᵀ Z; M_b m + m_b is `block_end` of m with the anchor 0 (wf holds U o
   already). u [L, K], b, n, r [L] (r None: a ≡ 1), tf [L, L], wf [L], M [K, K], m [K]."""
+  return _compose_matrix(st, u, b, n, r, tf, M, False), block_end(st, u, b, n, r, tf, wf, None, m)
+
+
+def _compose_matrix(st, u, b, n, r, table, X, inclusive):
+  """P_L X − Uᵀ diag(Π ⊙ c) table U X, the matrix part of `block_map` (Π = Q, table = tf) and of
+  `block_map_adjoint` (Π = P, table = tb, inclusive): three products, Y = U X, Z = table Y, then the update."""
   w = st.eta * b * b / n
-  keep = M
+  keep = X
   if r is not None:
     la = tables.log_retention(r)
-    w = w * tables.prefix_products(la, 0, u.shape[0], False)
-    keep = jnp.exp(jnp.sum(la)) * M
-  Z = dot(tf, dot(u, M))
-  return keep - dot(w[:, None] * u, Z, ta=True), block_end(st, u, b, n, r, tf, wf, None, m)
+    w = w * tables.prefix_products(la, 0, u.shape[0], inclusive)
+    keep = jnp.exp(jnp.sum(la)) * X
+  return keep - dot(w[:, None] * u, dot(table, dot(u, X)), ta=True)
 
 
 def block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
@@ -151,14 +156,7 @@ def block_map_adjoint(st, u, g, b, n, r, tb, wb, gamma, A, a):
   (c = η β² / n; a ≡ 1 without a retention). A_b A is three products as in `block_map`; A_b a + a_b is
   `block_chain` of a. u, g [L, K], b, n, r [L] (r None: a ≡ 1), tb [L, L], wb [L], gamma [L, L] or None, A [K, K],
   a [K]."""
-  w = st.eta * b * b / n
-  keep = A
-  if r is not None:
-    la = tables.log_retention(r)
-    w = w * tables.prefix_products(la, 0, u.shape[0], True)
-    keep = jnp.exp(jnp.sum(la)) * A
-  Z = dot(tb, dot(u, A))
-  return keep - dot(w[:, None] * u, Z, ta=True), block_chain(st, u, g, b, n, r, a, tb, wb, gamma)
+  return _compose_matrix(st, u, b, n, r, tb, A, True), block_chain(st, u, g, b, n, r, a, tb, wb, gamma)
 
 
 def adjoint_check(st, d, u, b, n, r, anchor):
