@@ -87,18 +87,25 @@ def test_osdn_key_whose_square_overflows_is_a_fault_of_its_token(implementation,
 # ---------------------------------------------------------------------------------------------------------
 # Context parallelism over 2 devices (a fresh process: the device count is fixed when JAX starts).
 # ---------------------------------------------------------------------------------------------------------
-_CONTEXT = textwrap.dedent("""
-    import os, json
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import PartitionSpec as P
-    from osdn_jax import dgps
-    from osdn_jax.ops import context
-    from osdn_jax.testing import random_point_inputs
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+def _shards_script(devices: int) -> str:
+  """The opening of a fresh process's script with `devices` host devices on one "context" mesh axis: imports,
+  the mesh, and f(*shape), normal fp32 draws from one seeded generator."""
+  return textwrap.dedent(f"""
+      import os, json
+      os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count={devices}"
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import PartitionSpec as P
+      from osdn_jax import dgps
+      from osdn_jax.ops import context
+      from osdn_jax.testing import random_point_inputs
+      mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+      rng = np.random.default_rng(0)
+      f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+      """)
+
+
+_CONTEXT = _shards_script(2) + textwrap.dedent("""
     B, T, H, K, V = 1, 64, 2, 16, 16                      # 32 tokens per shard
-    rng = np.random.default_rng(0)
-    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     q, k, v, beta = f(B, T, H, K) / 4, f(B, T, H, K) / 4, f(B, T, H, V), jax.nn.sigmoid(f(B, T, H))
     w_o, w_s = f(B, T, H, V), f(3, H, K, V)
     tok = P(None, "context")
@@ -233,18 +240,8 @@ def test_packed_second_moment_fault_leaves_the_next_segments_gradients_clean(whe
 # ---------------------------------------------------------------------------------------------------------
 # Context parallelism over 4 devices: linear attention's composed maps and OSDN's ring of P − 1 rounds.
 # ---------------------------------------------------------------------------------------------------------
-_RING = textwrap.dedent("""
-    import os, json
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import PartitionSpec as P
-    from osdn_jax import dgps
-    from osdn_jax.ops import context
-    from osdn_jax.testing import random_point_inputs
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+_RING = _shards_script(4) + textwrap.dedent("""
     B, T, H, K, V = 2, 64, 2, 8, 8                        # 16 tokens per shard
-    rng = np.random.default_rng(0)
-    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     tok = P(None, "context")
     w_o = f(B, T, H, V)
     def err(x, y):
