@@ -5,9 +5,9 @@ fp32, so our fp32 path sees exactly FLA's inputs and the difference is FLA's bf1
 
 Run once on a GPU with FLA importable; writes one compressed .npz per op (inputs, outputs, final states and,
 where FLA allows the backward, the gradients of every input under a fixed cotangent) and prints our XLA path's
-error against each. tests/test_fla_golden.py checks our ops against these files without torch.
+error against each. tests/ops/test_fla_golden.py checks our ops against these files without torch.
 
-  python3 -m experiments.fla_golden --out tests/data/fla [--ops chunk_kda,...] [--one-config]
+  python3 -m experiments.fla_golden --out tests/fixtures/fla [--ops chunk_kda,...] [--one-config]
 
 --one-config keeps only the first of each FLA kernel's autotuning configs (Triton then skips benchmarking).
 Block sizes change only the order of FLA's fp32 accumulations, not the function; the files are checked at bf16
@@ -156,7 +156,7 @@ def rel(a, b):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="tests/data/fla")
+  ap.add_argument("--out", default="tests/fixtures/fla")
   ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
   ap.add_argument("--one-config", action="store_true", help="keep the first FLA autotuning config only")
   args = ap.parse_args()

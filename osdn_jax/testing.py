@@ -103,7 +103,7 @@ def assert_trees_close(got: dict, want: dict, dtype, *, dtypes: dict | None = No
 
 # Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
 # `make test` runs these where a test would run every point; CI's slow step runs the others
-# (tests/test_dgps.py checks the cover).
+# (tests/dgps/test_points.py checks the cover).
 COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "longhorn", "nlms")
 
 

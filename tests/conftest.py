@@ -81,12 +81,25 @@ def triton_lowering(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_caches():
-  """Drops JAX's compiled executables after each test module. A worker otherwise keeps every interpret-mode
-  kernel it compiled for the whole run; twice on 2026-11-30 a clean-clone CI worker aborted inside XLA's CPU
-  compiler late in the run (test_solves, a path with no Pallas), cause unknown, and this bounds what a
-  worker holds."""
+  """Drops JAX's compiled executables after each test module, which bounds what a worker holds: otherwise it
+  keeps every interpret-mode kernel it compiled for the whole run, and XLA's CPU compiler has aborted in workers
+  that held that much."""
   yield
   jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored():
+  """Restores the DGPS registry (points and axis values) after each test, so a test that registers its own
+  point or axis value leaves the registry as it found it for the tests that list it."""
+  from osdn_jax.dgps import registry
+  points, axes = dict(registry.POINTS), {kind: dict(table) for kind, table in registry.AXES.items()}
+  yield
+  registry.POINTS.clear()
+  registry.POINTS.update(points)
+  for kind, table in axes.items():
+    registry.AXES[kind].clear()
+    registry.AXES[kind].update(table)
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ framing, pages read only as rows touch them, and grain reads it through a plain 
 any tool (numpy, torch, nanoGPT's and Megatron's loaders read the same layout), and the format has no
 dependency beyond numpy.
 
-Promises (tests/test_prepare.py): the same inputs and settings give byte-identical files, whatever --workers (a
+Promises (tests/data/test_prepare.py): the same inputs and settings give byte-identical files, whatever --workers (a
 chunk's tokens are written in input order, not in the order the workers finish); every record the input holds
 is either a document or a counted skip, never dropped silently. Skip reasons (`SKIP_REASONS`): empty_file,
 blank_line, bad_json, not_object, missing_field, not_string, not_utf8, empty_text, no_tokens, corrupt_file; they

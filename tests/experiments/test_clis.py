@@ -1,0 +1,166 @@
+"""The experiments: every CLI runs end to end at its smoke size and writes its JSON, table and plot; the shared
+pieces (variant names, the reproducing command, the best-over-learning-rates choice, merging parallel parts) do
+what they say; a registered point joins by name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import common, mqar
+from osdn_jax import dgps, testing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+needs_corpus = testing.needs_corpus()
+
+
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for every smoke run of the session (they train the same small model)."""
+  return str(tmp_path_factory.getbasetemp().parent / "experiments-xla-cache")
+
+
+def _run(module: str, out: pathlib.Path, cache: str, *args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", OSDN_PROGRESS="0", OSDN_COMPILATION_CACHE=cache)
+  done = subprocess.run([sys.executable, "-m", f"experiments.{module}", f"--out={out}", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done
+
+
+@pytest.mark.parametrize("name", ["mqar", "demo", "recall", "passkey",
+                                  pytest.param("lm", marks=needs_corpus),
+                                  pytest.param("contraction", marks=needs_corpus),
+                                  pytest.param("clip", marks=needs_corpus)])
+def test_cli_smoke(name, tmp_path, compilation_cache):
+  """`python -m experiments.NAME --smoke` writes NAME.json (with the command that reruns it), NAME.md (a table
+  with a row per variant) and a PNG."""
+  done = _run(name, tmp_path, compilation_cache, "--smoke")
+  payload = json.loads((tmp_path / f"{name}.json").read_text())
+  assert payload["command"].startswith(f"python -m experiments.{name}")
+  assert {"device", "jax", "date"} <= set(payload)
+  table = (tmp_path / f"{name}.md").read_text()
+  first = {"clip": "osdn-apf"}.get(name, "dn")      # clip measures OSDN points only
+  assert table.startswith("| variant") and f"\n| {first} |" in table
+  assert table in done.stdout
+  png = (tmp_path / f"{name}.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+  if name == "clip":      # per layer, per head fractions, chunk counts at every C
+    layer = payload["rows"][0]["layers"][0]
+    assert set(layer["chunks"]) == {"16", "64", "128"} and len(layer["entries"]) == 2
+    assert all(0.0 <= x <= 1.0 for key in ("below", "above", "tokens", "d_at_min") for x in layer[key])
+
+
+def test_mqar_merge_reports_parts_together(tmp_path, compilation_cache):
+  """Two parts of a sweep (one variant each) merged: one table with both variants, the parts' device kept, and
+  the command of the whole sweep; nothing is trained again (no runs/ directory appears)."""
+  parts = []
+  for i, variant in enumerate(("dn", "pdn")):
+    part = tmp_path / f"part{i}"
+    part.mkdir()
+    sweep = mqar.Sweep(**dict(mqar.SMOKE, variants=(variant,)))
+    runs = [dict(variant=variant, length=32, kv=4, train_kv=4, lr=3e-3, reads=1, final_loss=4.0 - i,
+                 steps=4, batch_size=4, accuracy=0.25 * (i + 1), q_geo=[0.5, 0.25], recall_residual=[0.9, 0.8],
+                 state_norm=[1.0, 2.0])]
+    common.write_results(part, "mqar", {"sweep": dataclasses.asdict(sweep), "runs": runs}, "",
+                         provenance=dict(device="NVIDIA H200", jax="0.11.2", date="2026-12-02"))
+    parts.append(str(part / "mqar.json"))
+  out = tmp_path / "merged"
+  _run("mqar", out, compilation_cache, "--merge=" + ",".join(parts))
+  payload = json.loads((out / "mqar.json").read_text())
+  assert payload["device"] == "NVIDIA H200" and payload["date"] == "2026-12-02"
+  assert "--variants=dn,pdn" in payload["command"] and "--merge" not in payload["command"]
+  table = (out / "mqar.md").read_text()
+  assert "\n| dn | 25.0 |" in table and "\n| pdn | 50.0 |" in table
+  assert not (out / "runs").exists()
+
+
+def test_clip_takes_only_osdn_points():
+  from experiments import clip
+  assert set(clip.VARIANTS) == {"osdn", "osdn-gdn", "osdn-kda", "osdn-apf", "osdn-apf-gdn", "osdn-apf-kda"}
+  clip.check_variant("osdn-apf:apf_anchor=init")
+  with pytest.raises(ValueError, match="no OSDN d-pass"):
+    clip.check_variant("pdn")
+
+
+def test_parse_variant():
+  assert common.parse_variant("pdn") == ("pdn", {})
+  assert common.parse_variant("OSDN-APF:apf_anchor=init") == ("osdn-apf", {"apf_anchor": "init"})
+  assert common.parse_variant("pdn:x=4.0") == ("pdn", {"x": 4.0})
+  with pytest.raises(ValueError, match="unknown point"):
+    common.parse_variant("nope")
+  with pytest.raises(ValueError, match="unknown options"):
+    common.parse_variant("dn:x=2")
+  with pytest.raises(ValueError, match="option=value"):
+    common.parse_variant("pdn:x")
+
+
+def test_variant_config_sets_model_and_options():
+  from osdn_jax.train import get_config, validate
+  c = common.variant_config(get_config("mqar"), "osdn-apf:apf_anchor=init", "tiny")
+  assert c.model == "osdn-apf-tiny" and dict(c.point_options) == {"apf_anchor": "init"}
+  validate(c)
+
+
+def test_command_lists_the_settings_that_differ():
+  sweep = mqar.Sweep(variants=("dn", "pdn"), lengths=(1024,), steps=10)
+  assert common.command("mqar", sweep) == "python -m experiments.mqar --variants=dn,pdn --lengths=1024 --steps=10"
+  assert common.command("mqar", mqar.Sweep()) == "python -m experiments.mqar"
+
+
+def test_best_over_lrs_takes_the_highest_accuracy_then_the_lower_loss():
+  runs = [dict(variant="dn", length=64, kv=4, lr=lr, accuracy=a, final_loss=l)
+          for lr, a, l in ((1e-3, 0.5, 1.0), (3e-3, 0.7, 2.0), (1e-2, 0.7, 1.5))]
+  assert mqar.best_over_lrs(runs)[("dn", 64, 4)]["lr"] == 1e-2
+
+
+def test_sweep_runs_and_cells():
+  per_cell = mqar.Sweep(variants=("dn",), lengths=(32, 64), kv=(4, 16), lrs=(1e-3, 3e-3))
+  assert per_cell.cells() == [(32, 4), (64, 4), (64, 16)]          # 4·kv ≤ L
+  assert len(per_cell.runs()) == 3 * 2
+  one_model = mqar.Sweep(variants=("dn",), lengths=(64,), kv=(4, 8, 16), train_kv=16, lrs=(1e-3,))
+  assert one_model.runs() == [("dn", 64, 16, 1e-3, (4, 8, 16))]
+  c = one_model.config("pdn", 64, 16, 1e-3)
+  assert (c.seq_len, c.loss_positions, c.data.mqar_pairs, c.model) == (64, 16, 16, "pdn-mqar")
+  twice = mqar.Sweep(variants=("dn",), lengths=(64,), kv=(8,), reads=2)
+  assert twice.config("dn", 64, 8, 1e-3).seq_len == 64 + 16
+
+
+def test_registered_point_joins_experiments_by_name():
+  point = dgps.compose(decay="scalar", precond="osdn-apf", apf_anchor="init", name="test-osdn-apf-gdn-init")
+  try:
+    dgps.register(point)
+    assert common.parse_variant("test-osdn-apf-gdn-init") == ("test-osdn-apf-gdn-init", {})
+    with pytest.raises(ValueError, match="already registered"):
+      dgps.register(point)
+    with pytest.raises(ValueError, match="already registered"):
+      dgps.register(dgps.compose(name="dn"), replace=True)    # built-in points stay
+    c = common.variant_config(mqar.Sweep().config("dn", 64, 4, 1e-3), "test-osdn-apf-gdn-init", "tiny")
+    from osdn_jax.train.configs import validate
+    validate(c)
+  finally:
+    dgps.POINTS.pop("test-osdn-apf-gdn-init", None)
+  with pytest.raises(ValueError, match="name"):
+    dgps.register(dgps.compose(name="has space"))
+
+
+def test_a_run_is_reused_only_by_the_same_config(tmp_path):
+  """The experiments' work directory names the whole trainer config: another step count, dtype, seed or data
+  setting trains anew instead of resuming a finished run of the same variant and cell."""
+  base = mqar.Sweep(**mqar.SMOKE).config("dn", 32, 4, 3e-3)
+  same = mqar.Sweep(**mqar.SMOKE).config("dn", 32, 4, 3e-3)
+  assert common.run_dir(base, tmp_path / "run") == common.run_dir(same, tmp_path / "run")
+  for field, value in (("steps", 6), ("dtype", "bfloat16"), ("seed", 1), ("batch_size", 8)):
+    other = base.copy_and_resolve_references()
+    other[field] = value
+    assert common.run_dir(other, tmp_path / "run") != common.run_dir(base, tmp_path / "run"), field
+  other = base.copy_and_resolve_references()
+  other.data.num_records = 32
+  assert common.run_dir(other, tmp_path / "run") != common.run_dir(base, tmp_path / "run")

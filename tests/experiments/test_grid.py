@@ -1,0 +1,155 @@
+"""The MQAR grid (`experiments.grid`): several cells in one program train as the trainer's step trains each alone;
+cells are identified by their whole protocol, skipped when done, and merged into one report."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from experiments import grid, mqar_oracle
+from osdn_jax.train import get_config, optim
+
+TINY = grid.Protocol(steps=6, batch_size=4, vocab_size=64, size="tiny", train_examples=32, test_examples=8,
+                     implementation="xla", eval_every=3)
+
+
+def test_make_at_is_make_at_that_learning_rate():
+  """AdamW at a learning rate given apart (traced, per cell) updates as `make` at that rate, step after step."""
+  opt = get_config("mqar").optimizer
+  opt.lr, opt.warmup_steps = 3e-3, 2
+  params = {"kernel": jnp.arange(6.0).reshape(2, 3), "scale": jnp.ones(3)}
+  a, b = optim.make(opt, 10), optim.make_at(opt, 10, jnp.float32(3e-3))
+  pa, pb, sa, sb = params, params, a.init(params), b.init(params)
+  for i in range(4):
+    g = jax.tree.map(lambda x: jnp.sin(x + i), params)
+    ua, sa = a.update(g, sa, pa)
+    ub, sb = b.update(g, sb, pb)
+    pa, pb = optax.apply_updates(pa, ua), optax.apply_updates(pb, ub)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), pa, pb)
+
+
+def test_cells_side_by_side_train_as_alone(tmp_path):
+  """Two learning rates in one program give what each gives in a program of its own (the cell axis is a vmap)."""
+  cells = grid.cells_of(["dn"], [(16, 2)], [3e-3, 1e-2], [0])
+  both = grid.Group(TINY, cells).run(log=lambda *_: None)
+  alone = grid.Group(TINY, cells[1:]).run(log=lambda *_: None)
+  for key in ("loss", "accuracy"):
+    np.testing.assert_allclose([p[key] for p in both[1]["curve"]], [p[key] for p in alone[0]["curve"]],
+                               rtol=2e-5)
+  assert both[0]["curve"][0]["loss"] != both[1]["curve"][0]["loss"]
+
+
+def test_the_grid_step_is_the_oracle_loops_step():
+  """On the same rows in the same order and with one optimiser, the grid's vmapped trainer step and the oracle's
+  plain loop lose the same, step after step: the trainer's path computes what a plain loop computes. With each
+  optimiser (the oracle's AdamW, the trainer's config), and the two optimisers do differ."""
+  protocol = dataclasses.replace(TINY, steps=20, eval_every=20, batch_size=8, train_examples=64)
+  runs = {name: mqar_oracle.follow(protocol, grid.Cell("dn", 16, 2, 1e-2, 0), 10, name)
+          for name in ("oracle", "trainer")}
+  for run in runs.values():
+    assert run["max_rel_diff"]["10"] < 1e-4, run
+    assert run["grid"][0] != run["grid"][-1]
+  assert abs(runs["oracle"]["grid"][-1] - runs["trainer"]["grid"][-1]) > 1e-4
+
+
+def test_cells_run_the_unpacked_kernels():
+  """A cell's rows are single sequences: its step runs the unpacked solves, which the Pallas kernels serve (the
+  packed path with traced segment ids refuses `implementation="pallas"` without a static segment count)."""
+  protocol = dataclasses.replace(TINY, steps=2, eval_every=2, implementation="pallas")
+  result = grid.Group(protocol, grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])).run(log=lambda *_: None)
+  assert np.isfinite(result[0]["final_loss"])
+
+
+def test_epoch_order_visits_every_row_once_per_epoch():
+  order = grid.epoch_order(3, rows=10, steps=7, batch=3)    # 3 batches per epoch, row 10 % 3 dropped each epoch
+  for epoch in range(2):
+    rows = order[3 * epoch:3 * epoch + 3].ravel()
+    assert len(set(rows)) == 9 and set(rows) <= set(range(10))
+  assert not np.array_equal(order[:3], order[3:6])
+
+
+def test_sweep_skips_done_cells_and_a_changed_protocol_retrains(tmp_path):
+  cells = grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])
+  logs = []
+  first = grid.sweep(TINY, cells, tmp_path, log=logs.append)
+  assert len(first) == 1 and grid.done(tmp_path, TINY, cells[0])
+  assert grid.sweep(TINY, cells, tmp_path, log=logs.append) == []
+  longer = dataclasses.replace(TINY, steps=9)
+  assert not grid.done(tmp_path, longer, cells[0])
+  saved = json.loads(first[0].read_text())
+  assert saved["cell"] == dataclasses.asdict(cells[0]) and saved["protocol"]["steps"] == 6
+  assert [p["step"] for p in saved["curve"]] == [3, 6]
+
+
+def test_report_takes_the_best_learning_rate_by_its_seeds_mean(tmp_path):
+  def cell(lr, seed, acc):
+    c = grid.Cell("dn", 1024, 32, lr, seed)
+    (tmp_path / f"{c.name(TINY)}.json").write_text(json.dumps(
+        dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(TINY), accuracy=acc, final_loss=1.0,
+             curve=[dict(step=3, loss=2.0, accuracy=acc / 2), dict(step=6, loss=1.0, accuracy=acc)])))
+  cell(1e-3, 0, 0.9), cell(1e-3, 1, 0.1), cell(3e-3, 0, 0.6), cell(3e-3, 1, 0.5)
+  text = grid.report(tmp_path)
+  assert "| dn | 55.0 (60.0 / 50.0) | – | – | – | 0.001, 0.003 |" in text
+  assert "| dn (paper) | 99 | 99 | 85 | 46 |" in text
+  assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_read_twice_cells_train_and_report_their_gain(tmp_path):
+  """reads = 2: the rows hold the kv block twice (L + 2·kv tokens), and the report sets each cell read twice beside
+  the same cell read once."""
+  twice = dataclasses.replace(TINY, steps=2, eval_every=2, reads=2)
+  cells = grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])
+  group = grid.Group(twice, cells)
+  assert group.data[0][0][0].shape == (TINY.train_examples, 16 + 2 * 2)
+  assert np.isfinite(group.run(log=lambda *_: None)[0]["final_loss"])
+  assert cells[0].name(twice).startswith("dn_L16_kv2_lr0.003_reads2_s0_")
+  for protocol, acc in ((TINY, 0.4), (dataclasses.replace(TINY, reads=2), 0.7)):
+    c = grid.Cell("dn", 1024, 32, 1e-3, 0)
+    (tmp_path / f"{c.name(protocol)}.json").write_text(json.dumps(
+        dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(protocol), accuracy=acc, final_loss=1.0,
+             curve=[dict(step=6, loss=1.0, accuracy=acc)])))
+  text = grid.report(tmp_path)
+  assert "| dn | 40.0 | – | – | – | 0.001 |" in text
+  assert "| dn | 1024 | 32 | 40.0 | 70.0 | +30.0 |" in text
+
+
+def test_a_stopped_group_resumes_from_its_last_curve_point(tmp_path):
+  """The group's state saved at a curve point is resumed by the next run: its curve equals an uninterrupted one."""
+  cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
+  whole = grid.Group(TINY, cells).run(log=lambda *_: None)
+
+  def stop(message):
+    if "step 3" in message:
+      raise KeyboardInterrupt
+  prefix = tmp_path / "partial" / "group"
+  with pytest.raises(KeyboardInterrupt):
+    grid.Group(TINY, cells).run(log=stop, partial=prefix)
+  logs = []
+  resumed = grid.Group(TINY, cells).run(log=logs.append, partial=prefix)
+  assert "  resumed at step 3" in logs
+  np.testing.assert_allclose([p["loss"] for p in resumed[0]["curve"][1:]], [p["loss"] for p in whole[0]["curve"][1:]],
+                             rtol=1e-5)
+  assert not list((tmp_path / "partial").iterdir())
+
+
+def test_cli_smoke_trains_skips_and_reports(tmp_path):
+  """`python -m experiments.grid --smoke` writes a JSON per cell and grid.md; run again, it trains nothing."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[2]
+  run = lambda: subprocess.run([sys.executable, "-m", "experiments.grid", "--smoke", f"--out={tmp_path}"], cwd=root,
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+  first = run()
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert len(list(tmp_path.glob("dn_L32_kv4_*.json"))) == 2
+  assert "| dn |" in (tmp_path / "grid.md").read_text()
+  second = run()
+  assert "2 of 2 cells done; 0 to train" in second.stdout
