@@ -272,7 +272,8 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anc
 def osdn_update(d, u_t, n_t, b_t, r_t, d_init, *, eta, d_min, d_max, apf_anchor):
   """One token's step of the d-pass: d_{t+1} = clip(keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t, d_min, d_max),
   keep_t as in `osdn_d_pass`. d, u_t [B, G, K]; n_t, b_t, r_t [B, G] (r_t None: r ≡ 1); a bound of None does not
-  act (both None: the unclipped d̄_{t+1})."""
+  act (both None: the unclipped d̄_{t+1}). The kernels' copy is `pallas_kernels.osdn_math` (not imported here: the
+  library reaches the kernel package only through `pallas_kernels.spec` and the dispatch)."""
   step = (eta * b_t * (1.0 - b_t * jnp.sum(d * u_t, -1)) / n_t)[..., None] * u_t
   if r_t is None:
     keep = d

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.gpu.common import pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
 from pallas_kernels.gpu.osdn import spans, tables
 from pallas_kernels.gpu.osdn.blocks import block_adjoint, block_chain
-from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip_grad, pre_clip, sequential, sequential_tokens
+from pallas_kernels.gpu.osdn.loops import F32, block_loop, pre_clip, sequential, sequential_tokens
 
 
 def _kernel(st, chain_only: bool, *refs):
@@ -177,10 +178,10 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, o, ds_ref, gds_ref, gl_ref
       seg, first, last = code
       lam = jnp.where(last, g_last, lam)
     d_bar, coef, s = pre_clip(st, d, u, b, n, r, o)
-    m = clip_grad(st, d_bar)
+    m = om.clip_grad(d_bar, st.d_min, st.d_max)
     mu = lam if m is None else m * lam
     p = jnp.sum(u * mu)
-    c = st.eta * b * b / n
+    c = om.erase_coef(st.eta, b, n)
     du_ref[t, :] = coef * mu - (c * p) * d
     db_ref[t] = st.eta * p * (1.0 - 2.0 * b * s) / n
     dn_ref[t] = -coef * p / n

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.gpu.chunk_math import dot, iota, last_row
 from pallas_kernels.gpu.intra import decay_factor
 from pallas_kernels.gpu.osdn import tables
-from pallas_kernels.gpu.osdn.loops import clip, clip_grad
 
 
 def through(r, L: int):
@@ -31,8 +31,8 @@ def block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   tf = (I + M diag(c))⁻¹ diag(P) and wf = (I + M diag(c))⁻¹ (U o + M α). Here: s = tf U δ_0 + wf and
   D = (d_t)_t = o + P ⊗ δ_0 + (Γ diag(coef)) U, then every d̄_{t+1} = o + a_t (d_t − o) + coef_t u_t is checked
   inside [d_min, d_max] (NaN fails; padded channels are not checked). Returns (D [L, K], d_L [K], ok, smooth):
-  smooth when, besides, the clip's derivative is 1 at every d̄_{t+1} (strictly inside the bounds; `clip_grad`),
-  which is what the split backward's block path needs (`block_chain`, `_bwd_blocks`).
+  smooth when, besides, the clip's derivative is 1 at every d̄_{t+1} (strictly inside the bounds;
+  `osdn_math.clip_grad`), which is what the split backward's block path needs (`block_chain`, `_bwd_blocks`).
 
   u [L, K], b, n, r [L] (r None: a ≡ 1), o [K] or None, d [K], tf [L, L], wf [L], gamma [L, L] or None (r None).
   """
@@ -44,7 +44,7 @@ def block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   if r is None:
     gamma = decay_factor(None, L, strict=True)
   s = jnp.sum(tf * jnp.sum(u * delta0[None, :], axis=1)[None, :], axis=1) + wf
-  coef = st.eta * b * (1.0 - b * s) / n
+  coef = om.step_coef(st.eta, b, n, s)
   prop = delta0[None, :] if r is None else through(r, L)[0][:, None] * delta0[None, :]
   D = anchor[None, :] + prop + dot(gamma * coef[None, :], u)
   keep = D if r is None else anchor[None, :] + r[:, None] * (D - anchor[None, :])
@@ -53,7 +53,7 @@ def block_solve(st, u, b, n, r, o, d, tf, wf, gamma):
   code = jnp.where((d_bar > lo) & (d_bar < hi), 0.0, jnp.where((d_bar >= lo) & (d_bar <= hi), 1.0, 2.0))
   real = st.real(code.shape)
   worst = jnp.max(code if real is None else jnp.where(real, code, 0.0))
-  return D, clip(st, last_row(d_bar)), worst < 2.0, worst < 1.0
+  return D, om.clip(last_row(d_bar), st.d_min, st.d_max), worst < 2.0, worst < 1.0
 
 
 def block_end(st, u, b, n, r, tf, wf, o, d):
@@ -64,7 +64,7 @@ def block_end(st, u, b, n, r, tf, wf, o, d):
   anchor = jnp.zeros_like(d) if o is None else o
   delta0 = d - anchor
   s = jnp.sum(tf * jnp.sum(u * delta0[None, :], axis=1)[None, :], axis=1) + wf
-  coef = st.eta * b * (1.0 - b * s) / n
+  coef = om.step_coef(st.eta, b, n, s)
   if r is not None:
     L = u.shape[0]
     la = tables.log_retention(r)
@@ -86,7 +86,7 @@ def block_map(st, u, b, n, r, tf, wf, M, m):
 def _compose_matrix(st, u, b, n, r, table, X, inclusive):
   """P_L X − Uᵀ diag(Π ⊙ c) table U X, the matrix part of `block_map` (Π = Q, table = tf) and of
   `block_map_adjoint` (Π = P, table = tb, inclusive): three products, Y = U X, Z = table Y, then the update."""
-  w = st.eta * b * b / n
+  w = om.erase_coef(st.eta, b, n)
   keep = X
   if r is not None:
     la = tables.log_retention(r)
@@ -113,7 +113,7 @@ def block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   L, K = u.shape
   anchor = jnp.zeros_like(lam) if o is None else o
   s, coef, good = adjoint_check(st, d, u, b, n, r, anchor)
-  c = st.eta * b * b / n
+  c = om.erase_coef(st.eta, b, n)
   ok = True if good is None else jnp.sum(jnp.where(good, 0.0, 1.0)) == 0.0
   if r is None:
     gamma = decay_factor(None, L, strict=True)
@@ -139,7 +139,7 @@ def block_chain(st, u, g, b, n, r, lam, tb, wb, gamma):
   L = u.shape[0]
   first = lambda x: jnp.sum(jnp.where(iota(x.shape, 0) == 0, x, 0.0), axis=0)
   p = jnp.sum(tb * jnp.sum(u * lam[None, :], axis=1)[None, :], axis=1) + wb
-  cp = st.eta * b * b / n * p
+  cp = om.erase_coef(st.eta, b, n) * p
   rest = g - cp[:, None] * u
   if r is None:                                    # Γ_j0 = 1 for j > 0: λ_0 = λ_L + Σ_j (g_j − c_j p_j u_j)
     return lam + jnp.sum(rest, axis=0)
@@ -163,9 +163,10 @@ def adjoint_check(st, d, u, b, n, r, anchor):
   """(s, coef [...], good [..., K] or None) for rows d, u [..., K] (b, n, r [...]; r None: a ≡ 1; anchor [K]):
   good where the clip's derivative at d̄_{t+1} is 1 or the channel is padding; None without bounds."""
   s = jnp.sum(d * u, axis=-1)
-  coef = st.eta * b * (1.0 - b * s) / n
-  keep = d if r is None else anchor + r[..., None] * (d - anchor)
-  mask = clip_grad(st, keep + coef[..., None] * u)
+  coef = om.step_coef(st.eta, b, n, s)
+  # Anchor "zero" passes a zero anchor: the "init" form is then its d̄ too.
+  d_bar = om.unclipped(d, u, coef[..., None], None if r is None else r[..., None], anchor, "init")
+  mask = om.clip_grad(d_bar, st.d_min, st.d_max)
   if mask is None:
     return s, coef, None
   real = st.real(mask.shape)

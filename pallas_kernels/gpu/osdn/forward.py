@@ -28,11 +28,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.gpu.common import SQUEEZED, pallas_call, split_refs
 from pallas_kernels.gpu.osdn import layout as L
 from pallas_kernels.gpu.osdn import spans, tables
 from pallas_kernels.gpu.osdn.blocks import block_end, block_solve
-from pallas_kernels.gpu.osdn.loops import F32, block_loop, clip, pre_clip, sequential, sequential_tokens
+from pallas_kernels.gpu.osdn.loops import F32, block_loop, pre_clip, sequential, sequential_tokens
 
 
 def _kernel(st, restart: bool, *refs):
@@ -103,7 +104,7 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o, ds_ref, dl_ref)
       seg, first, last = code
       d = jnp.where(first, d1, d)
     ds_ref[t, :] = d
-    d_next = clip(st, pre_clip(st, d, u, b, n, r, o)[0])
+    d_next = om.clip(pre_clip(st, d, u, b, n, r, o)[0], st.d_min, st.d_max)
     if packed:
       @pl.when(last)
       def _():                            # a segment's last token leaves its d_{T+1}

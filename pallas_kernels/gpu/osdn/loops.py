@@ -1,4 +1,4 @@
-"""The token loops of the d-pass kernels and one token of the recurrence (`pre_clip`, `clip`, `clip_grad`).
+"""The token loops of the d-pass kernels and one token of the recurrence (`pre_clip`; the math is `osdn_math`'s).
 
 Loads are issued for a whole group of tokens before the group's first step: a load written after the previous
 token's stores could not be moved above them (the refs may alias), so a per-token load would put one memory
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import osdn_math as om
 
 F32 = jnp.float32
 
@@ -45,35 +47,11 @@ def sequential(st, load, step, carry, reverse: bool, block_t: int):
 
 
 def pre_clip(st, d, u, b, n, r, o):
-  """(d̄_{t+1}, coef_t, s_t) for one token, as the reference `osdn_jax.dgps.precond.osdn_d_pass` computes them."""
+  """(d̄_{t+1}, coef_t, s_t) for one token (`osdn_math`): d, u, o [K] (o None unless anchor "init"), b, n, r
+  scalars (r None: no retention)."""
   s = jnp.sum(d * u)
-  coef = st.eta * b * (1.0 - b * s) / n
-  if st.mode == "none":
-    keep = d
-  elif st.mode == "zero":
-    keep = r * d
-  else:
-    keep = o + r * (d - o)
-  return keep + coef * u, coef, s
-
-
-def clip(st, x):
-  if st.d_min is not None:
-    x = jnp.maximum(x, st.d_min)
-  if st.d_max is not None:
-    x = jnp.minimum(x, st.d_max)
-  return x
-
-
-def clip_grad(st, x):
-  """∂clip/∂x as `jnp.clip` defines it (1 inside, 0 outside, ½ at a bound; ¼ at d_min = d_max); None: 1."""
-  m = None
-  if st.d_min is not None:
-    m = (x > st.d_min).astype(F32) + 0.5 * (x == st.d_min).astype(F32)
-  if st.d_max is not None:
-    m_hi = (x < st.d_max).astype(F32) + 0.5 * (x == st.d_max).astype(F32)
-    m = m_hi if m is None else m * m_hi
-  return m
+  coef = om.step_coef(st.eta, b, n, s)
+  return om.unclipped(d, u, coef, r, o, st.mode), coef, s
 
 
 def block_loop(nb: int, fetch, body, carry, *, prefetch: bool, reverse: bool = False, start=None, stop=None):

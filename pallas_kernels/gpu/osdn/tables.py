@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, masked_exp
 from pallas_kernels.gpu.common import pallas_call
 from pallas_kernels.gpu.intra import inverse_rows
@@ -73,7 +74,7 @@ def reference(st, u, n, beta, r, o):
     gamma = jnp.where(strict, jnp.exp(jnp.einsum("tji,...i->...tj", window.astype(F32), la, precision=hi)), 0.0)
     P = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] < ar[:, None]).astype(F32), la, precision=hi))
     Q = jnp.exp(jnp.einsum("ti,...i->...t", (ar[None, :] > ar[:, None]).astype(F32), la, precision=hi))
-  alpha, c = st.eta * b / nn, st.eta * b * b / nn
+  alpha, c = om.write_coef(st.eta, b, nn), om.erase_coef(st.eta, b, nn)
   M = gamma * jnp.einsum("...tk,...jk->...tj", U, U, precision=hi)
   eye = jnp.eye(L, dtype=F32)
   inv_f = lax.linalg.triangular_solve(eye + M * c[..., None, :], jnp.broadcast_to(eye, M.shape), left_side=True,
@@ -165,7 +166,7 @@ def _tables_kernel(st, backward: bool, shared: bool, *refs):
   rows = lambda a: pl.ds(a * s, s)
   b = [b_ref[rows(a)] for a in range(nsub)]
   n = [n_ref[rows(a)] for a in range(nsub)]
-  c = [st.eta * bb * bb / nn for bb, nn in zip(b, n)]
+  c = [om.erase_coef(st.eta, bb, nn) for bb, nn in zip(b, n)]
   la = log_retention(r_ref[...]) if st.has_r else None
   gamma = {(a, m): _gamma_block(la, a, m, s) for a in range(nsub) for m in range(a + 1)}
   pairs = list(gamma)                                                # (a, m), m ≤ a
@@ -184,7 +185,7 @@ def _tables_kernel(st, backward: bool, shared: bool, *refs):
     P = None if la is None else sum(_place(prefix_products(la, a, s, True), a, L) for a in range(nsub))
     rhs = []
     for a in range(nsub):
-      x = sum(jnp.sum(M[a, m] * (st.eta * b[m] / n[m])[None, :], axis=1) for m in range(a + 1))
+      x = sum(jnp.sum(M[a, m] * om.write_coef(st.eta, b[m], n[m])[None, :], axis=1) for m in range(a + 1))
       if has_o:
         x = x + jnp.sum(u_ref[rows(a), :] * o_ref[...][None, :], axis=1)
       rhs.append(x)

@@ -16,12 +16,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.arrays import static_number
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES
 from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, NAME, Config, Static, static
-from pallas_kernels.tpu.osdn.kernel import call, clip, head_major, pre_clip
+from pallas_kernels.tpu.osdn.kernel import call, head_major, pre_clip
 
 
 def _forward(st: Static, u, a, c, r, o, d1, codes):
@@ -87,7 +88,7 @@ def _codes(st: Static, segments, count: int):
 def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   f32 = lambda x: None if x is None else jnp.asarray(x, F32)
   u, n, beta, r, d1 = f32(u), f32(n), f32(beta), f32(r), f32(d1)
-  a, c = st.eta * beta / n, st.eta * beta * beta / n
+  a, c = om.write_coef(st.eta, beta, n), om.erase_coef(st.eta, beta, n)
   r = r if st.mode != "none" else None
   o = jnp.broadcast_to(f32(d_init), (st.heads, st.key_dim)) if st.mode == "init" else None
   if st.segments:
@@ -101,7 +102,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   else:
     d, uu, aa, cc, rr = (None if x is None else x[:, -1] for x in (ds, u, a, c, r))
   col = lambda x: None if x is None else x[..., None]
-  d_last = clip(st, pre_clip(st, d, uu, col(aa), col(cc), col(rr), o))
+  d_last = om.clip(pre_clip(st, d, uu, col(aa), col(cc), col(rr), o), st.d_min, st.d_max)
   if st.segments:
     d_last = jnp.where(present[:, None, None], d_last, 0.0)
   return ds, d_last

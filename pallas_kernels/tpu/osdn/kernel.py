@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import osdn_math as om
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, SQUEEZED as _SQ
 from pallas_kernels.tpu.osdn.config import Static
@@ -36,34 +37,9 @@ from pallas_kernels.tpu.osdn.config import Static
 
 # One token, shared by the kernels ([Hb, K] with [Hb, 1] scalars) and XLA ([..., G, K] with [..., G, 1]).
 def pre_clip(st: Static, d, u, a, c, r, o):
-  """(d̄_{t+1}, s_t)."""
+  """d̄_{t+1} with coef_t = a_t − c_t s_t (a = α, c: `osdn_math.write_coef`, `erase_coef`, formed in XLA)."""
   s = jnp.sum(d * u, axis=-1, keepdims=True)
-  if st.mode == "none":
-    keep = d
-  elif st.mode == "zero":
-    keep = r * d
-  else:
-    keep = o + r * (d - o)
-  return keep + (a - c * s) * u
-
-
-def clip(st: Static, x):
-  if st.d_min is not None:
-    x = jnp.maximum(x, st.d_min)
-  if st.d_max is not None:
-    x = jnp.minimum(x, st.d_max)
-  return x
-
-
-def clip_grad(st: Static, x):
-  """∂clip/∂x as `jnp.clip` defines it (½ at a bound); None where unbounded."""
-  m = None
-  if st.d_min is not None:
-    m = (x > st.d_min).astype(F32) + 0.5 * (x == st.d_min).astype(F32)
-  if st.d_max is not None:
-    hi = (x < st.d_max).astype(F32) + 0.5 * (x == st.d_max).astype(F32)
-    m = hi if m is None else m * hi
-  return m
+  return om.unclipped(d, u, a - c * s, r, o, st.mode)
 
 
 def _token_loop(st: Static, body, carry, reverse: bool):
@@ -132,7 +108,7 @@ def _forward_kernel(st: Static, *refs):
       d = jnp.where(jnp.full(d.shape, code, jnp.int32) >= 0, x["restart"][...], d)
     x["out"][t] = d
     a, c, r = _columns(st, blocks, t)
-    return clip(st, pre_clip(st, d, x["u"][t], a, c, r, o))
+    return om.clip(pre_clip(st, d, x["u"][t], a, c, r, o), st.d_min, st.d_max)
 
   x["carry"][...] = _token_loop(st, body, x["carry"][...], reverse=False)
 
@@ -151,7 +127,7 @@ def _backward_kernel(st: Static, *refs):
   def body(t, lam):
     u = x["u"][t]
     a, c, r = _columns(st, blocks, t)
-    m = clip_grad(st, pre_clip(st, x["ds"][t], u, a, c, r, o))
+    m = om.clip_grad(pre_clip(st, x["ds"][t], u, a, c, r, o), st.d_min, st.d_max)
     mu = lam if m is None else m * lam
     x["out"][t] = mu
     p = jnp.sum(mu * u, axis=-1, keepdims=True)
