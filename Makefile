@@ -47,10 +47,10 @@ tour: install
 # cross products; hypothesis at its default counts). `make test-slow`: what it leaves out (the tests marked slow)
 # and every hypothesis test again under the "thorough" profile. Both print their 15 slowest tests.
 test: install
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n auto -q -m "not slow" --durations=15 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n auto --dist worksteal -q -m "not slow" --durations=15 tests
 
 test-slow: install
-	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n auto -q -m "slow or hypothesis" --durations=15 tests
+	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n auto --dist worksteal -q -m "slow or hypothesis" --durations=15 tests
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis runs results

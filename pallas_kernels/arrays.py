@@ -9,6 +9,12 @@ import jax.numpy as jnp
 TRANSFORMS = ("pdn", "atq")     # the preconditioned keys: PDN's write key, ATQ's query
 
 
+def default_interpret(interpret):
+  """`interpret` None: True on a CPU backend (the kernels then run in Pallas' interpreter), else False; any other
+  value as given (each backend's `common.default_interpret` turns it into what its `pallas_call` takes)."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
 def pad_axis(x, axis: int, size: int):
   """x zero-padded at the end of `axis` to `size`."""
   if x.shape[axis] == size:

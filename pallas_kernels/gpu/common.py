@@ -16,6 +16,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gpu import chunk_math
 from pallas_kernels.spec import next_pow2
+from pallas_kernels import arrays
 from pallas_kernels.arrays import pad_axis  # noqa: F401  (re-exported for the kernels' wrappers)
 
 # JAX ≤ 0.4.3x called the class TritonCompilerParams; 0.10 and 0.11 call it CompilerParams.
@@ -30,8 +31,8 @@ def padded_dim(d: int) -> int:
 
 
 def default_interpret(interpret: bool | None) -> bool:
-  """interpret None: True on a CPU backend (the kernels then run in Pallas' interpreter)."""
-  return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+  """interpret None: True on a CPU backend (the kernels then run in Pallas' interpreter); else bool(interpret)."""
+  return bool(arrays.default_interpret(interpret))
 
 
 def segment_starts(segments):

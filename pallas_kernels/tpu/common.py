@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from pallas_kernels import arrays
 from pallas_kernels.arrays import pad_axis  # noqa: F401  (re-exported for the kernels' wrappers)
 
 F32 = jnp.float32
@@ -50,8 +51,7 @@ def default_interpret(interpret):
   """None: interpret on a CPU backend, compile otherwise. Returns False, or what `pl.pallas_call(interpret=...)`
   takes to interpret: `pltpu.InterpretParams(detect_races=True)` where this JAX has TPU interpret mode, else True.
   An `InterpretParams` passes through."""
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+  interpret = arrays.default_interpret(interpret)
   if interpret is True:
     return interpret_params(detect_races=True)
   return interpret or False

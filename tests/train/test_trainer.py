@@ -371,7 +371,7 @@ def test_killed_and_resumed_run_logs_the_same_losses(tmp_path):
   """The README's tiny run on the text corpus, SIGKILLed once its step-4 checkpoint exists, then started again:
   every step's loss equals the uninterrupted run's (fp32, CPU)."""
   _corpus_or_skip()
-  steps = 40
+  steps = 16
   cmd = lambda d: [sys.executable, "-m", "osdn_jax.train", "--config=tiny", f"--workdir={d}",
                    f"--config.steps={steps}", "--config.checkpoint_every=2", "--config.log_every=1",
                    "--config.progress=false"]
