@@ -23,6 +23,13 @@ def step_coef(eta, beta, n, s):
   return eta * beta * (1.0 - beta * s) / n
 
 
+def step_coef_grads(eta, beta, n, s, coef, p):
+  """(∂β, ∂n): the cotangents of β and n through coef = `step_coef`(eta, beta, n, s) when coef's is p, i.e.
+  p ∂coef/∂β = η p (1 − 2 β s) / n and p ∂coef/∂n = −coef p / n (s held fixed: its own path is the caller's).
+  Every argument but eta one shape (or broadcasting); both results have it."""
+  return eta * p * (1.0 - 2.0 * beta * s) / n, -coef * p / n
+
+
 def write_coef(eta, beta, n):
   """α = η β / n, the part of `step_coef` that does not depend on d (coef = α − c s). beta, n: one shape."""
   return eta * beta / n

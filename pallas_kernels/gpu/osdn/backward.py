@@ -183,8 +183,7 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, o, ds_ref, gds_ref, gl_ref
     p = jnp.sum(u * mu)
     c = om.erase_coef(st.eta, b, n)
     du_ref[t, :] = coef * mu - (c * p) * d
-    db_ref[t] = st.eta * p * (1.0 - 2.0 * b * s) / n
-    dn_ref[t] = -coef * p / n
+    db_ref[t], dn_ref[t] = om.step_coef_grads(st.eta, b, n, s, coef, p)
     if st.has_r:
       dr_ref[t] = jnp.sum((d - o) * mu) if st.has_o else jnp.sum(d * mu)
       lam_prev = r * mu - (c * p) * u

@@ -122,8 +122,7 @@ def block_adjoint(st, u, d, g, b, n, r, o, lam, tb, wb, gamma):
   prop = lam[None, :] if r is None else through(r, L)[1][:, None] * lam[None, :]
   mu = prop + dot(gamma.T, g - cp[:, None] * u)                       # rows λ_{t+1}
   du = coef[:, None] * mu - cp[:, None] * d
-  dbeta = st.eta * p * (1.0 - 2.0 * b * s) / n
-  dn = -coef * p / n
+  dbeta, dn = om.step_coef_grads(st.eta, b, n, s, coef, p)
   dr = None if r is None else jnp.sum((d - anchor[None, :]) * mu, axis=1)
   d_o = None if not st.has_o else jnp.sum((1.0 - r)[:, None] * mu, axis=0)
   lam_t = (mu if r is None else r[:, None] * mu) - cp[:, None] * u + g
