@@ -3,9 +3,10 @@ policy, each in its own process (so each peak is its own).
 
 Per run: `--steps` steps of the named config at `--rows_per_device` rows × seq_len tokens per device (the batch
 grows with the devices: data parallelism), logged every `--log_every` steps; tokens/s is the median over the
-log windows after the first (which holds the compile), divided by the device count; peak memory is the
-allocator's peak on device 0 (`peak_bytes_in_use`). Every row is appended to --out as it is measured. Prints one
-table: tokens/s per device, its ratio to the first model's, step time, peak GB.
+log windows after the first (which holds the compile), divided by the device count; data wait is the median
+share of a window the loop spent waiting for the next host batch (`data_wait` in metrics.jsonl); peak memory
+is the allocator's peak on device 0 (`peak_bytes_in_use`). Every row is appended to --out as it is measured. Prints one
+table: tokens/s per device, its ratio to the first model's, step time, data wait, peak GB.
 
   python -m benchmarks.train_speed --models=gdn-340m,pgdn-340m,kda-340m,pkda-340m,osdn-340m,osdn-apf-340m
   python -m benchmarks.train_speed --models=gdn-340m --remat=full,dots,solve,dots_solve --steps=40
@@ -56,6 +57,7 @@ def _run(model: str, remat: str, devices: int) -> dict:
   return dict(row, rows=config["batch_size"], seq_len=config["seq_len"],
               tokens_per_s_per_device=statistics.median(steady) / devices,
               step_time_s=statistics.median(r["step_time_s"] for r in logged[1:] or logged),
+              data_wait=statistics.median(r["data_wait"] for r in logged[1:] or logged),
               peak_memory_gb=logged[-1].get("peak_memory_gb"), final_loss=logged[-1]["loss"])
 
 
@@ -63,7 +65,7 @@ def _table(rows: list[dict]) -> str:
   ok = [r for r in rows if "error" not in r]
   base = ok[0]["tokens_per_s_per_device"] if ok else None
   out = [f"{'model':<18}{'remat':<12}{'devices':>8}{'rows×T':>12}{'tok/s/dev':>12}{'÷ first':>9}"
-         f"{'step s':>9}{'peak GB':>9}"]
+         f"{'step s':>9}{'data wait':>11}{'peak GB':>9}"]
   for r in rows:
     if "error" in r:
       out.append(f"{r['model']:<18}{r['remat']:<12}{r['devices']:>8}  failed: {r['error']}")
@@ -71,7 +73,7 @@ def _table(rows: list[dict]) -> str:
     peak = "—" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}"
     out.append(f"{r['model']:<18}{r['remat']:<12}{r['devices']:>8}{r['rows']:>6}×{r['seq_len']:<5}"
                f"{r['tokens_per_s_per_device']:>12,.0f}{r['tokens_per_s_per_device'] / base:>9.2f}"
-               f"{r['step_time_s']:>9.3f}{peak:>9}")
+               f"{r['step_time_s']:>9.3f}{100 * r['data_wait']:>10.2f}%{peak:>9}")
   return "\n".join(out)
 
 

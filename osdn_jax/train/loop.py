@@ -124,8 +124,9 @@ class TrainResult:
   training state (`step.init_state`'s layout) and the model's config; `model` rebuilds the trained model.
   summary: this (re)start's {"start", "step", "steps", "loss" (the last step's training loss; None when no step
   ran), "eval" (the last evaluation's eval_* metrics, with its "step"; None when none ran), "seconds",
-  "eval_seconds", "tokens_per_s" (over the steps, evaluations excluded), "checkpoint" (the newest one's path;
-  None when none was written)}; `describe` puts it in words."""
+  "eval_seconds", "tokens_per_s" (over the steps, evaluations excluded), "data_wait" (the share of those
+  seconds spent waiting for the next host batch), "checkpoint" (the newest one's path; None when none was
+  written)}; `describe` puts it in words."""
   metrics: dict
   state: dict
   model_config: models.ModelConfig
@@ -417,7 +418,8 @@ def describe(summary: dict, workdir) -> str:
   else:
     excluded = f", evaluations ({s['eval_seconds']:.1f} s) excluded" if s["eval_seconds"] else ""
     head = (f"train: steps {s['start'] + 1}-{s['step']} of {s['steps']} in {s['seconds']:.1f} s "
-            f"({s['tokens_per_s']:,.0f} tokens/s{excluded}); final training loss {s['loss']:.4f}")
+            f"({s['tokens_per_s']:,.0f} tokens/s{excluded}, {100 * s.get('data_wait', 0.0):.1f} % waiting for "
+            f"data); final training loss {s['loss']:.4f}")
     if s.get("eval"):
       e = s["eval"]
       head += (f"; held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:.4g} (step {e['step']}, "
@@ -594,13 +596,16 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
   writer = Writer(workdir, enabled=lead, resume_step=start)
   progress = Progress(total=config.steps, initial=start, enabled=lead and config.progress)
   tokens_per_step = config.batch_size * config.seq_len
-  last, t0, since = {}, time.perf_counter(), 0
-  began, eval_seconds, evaluated, metrics = t0, 0.0, None, None
+  last, t0, since, waited = {}, time.perf_counter(), 0, 0.0
+  began, eval_seconds, evaluated, metrics, waited_all = t0, 0.0, None, None, 0.0
   unread = []        # [(step, checkify.Error)] of the steps whose checks are not read yet
   try:
     for step in range(start + 1, config.steps + 1):
       try:
+        t_data = time.perf_counter()
         host = next(pipeline)
+        took_data = time.perf_counter() - t_data
+        waited, waited_all = waited + took_data, waited_all + took_data
       except TokenIdError as e:
         raise TokenIdError(e.name, e.row, e.position, e.value, e.vocab_size, where=f"step {step}") from None
       bound = segments_bound(host["segment_ids"])
@@ -623,7 +628,8 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
       if log:
         elapsed = time.perf_counter() - t0
         row = {"loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]), "lr": float(values["lr"]),
-               "tokens_per_s": since * tokens_per_step / elapsed, "step_time_s": elapsed / since}
+               "tokens_per_s": since * tokens_per_step / elapsed, "step_time_s": elapsed / since,
+               "data_wait": waited / elapsed}
         if (peak := _peak_memory_gb()) is not None:
           row["peak_memory_gb"] = peak
         if diagnose:
@@ -645,7 +651,7 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
       if log:
         postfix = {"eval": f"{row['eval_loss']:.4f}"} if "eval_loss" in row else {}
         progress.update(since, loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}", **postfix)
-        t0, since = time.perf_counter(), 0
+        t0, since, waited = time.perf_counter(), 0, 0.0
       if save:
         check_state_finite(step, state, last_good)
         ckpt.save(step, state, pipeline.get_state())
@@ -662,5 +668,6 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
   summary = {"start": start, "step": end, "steps": config.steps, "eval": evaluated, "seconds": seconds,
              "eval_seconds": eval_seconds, "checkpoint": last_good[1] if last_good else None,
              "loss": None if metrics is None else float(jax.device_get(metrics["loss"])),
-             "tokens_per_s": (end - start) * tokens_per_step / max(seconds - eval_seconds, 1e-9)}
+             "tokens_per_s": (end - start) * tokens_per_step / max(seconds - eval_seconds, 1e-9),
+             "data_wait": waited_all / max(seconds - eval_seconds, 1e-9)}
   return TrainResult(metrics=last, state=state, model_config=cfg, summary=summary)

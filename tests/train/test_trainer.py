@@ -298,6 +298,7 @@ def test_run_writes_config_metrics_diagnostics_and_events(tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3, 4] and last["step"] == 4
   for r in rows:
     assert {"loss", "grad_norm", "lr", "tokens_per_s"} <= set(r) and np.isfinite(r["loss"])
+    assert 0.0 <= r["data_wait"] < 1.0
   for r in rows[1::2]:
     assert len(r["q_geo"]) == len(r["state_norm"]) == 2
     assert all(0 < q <= 1 for q in r["q_geo"]) and all(s > 0 for s in r["state_norm"])
