@@ -91,20 +91,24 @@ def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True,
   return (*dispatch.choose(request, implementation, why=why), log_decay_p)
 
 
-def _confined(kernel, k, beta_p, log_decay_p, segment_ids):
-  """kernel(k, βᴾ, gᴾ) → (y [B, T, H, K], A_T [B, H, K]) run on the inputs with their non-finite entries zeroed, and
-  NaN where the token-serial second moment has it: in a channel from its sequence's first fault in it on (a NaN or
-  inf in k_t there, in βᴾ_t, or a log-decay NaN or +inf), and in its final state.
+def _confined(run, k, beta_p, log_decay_p, segment_ids, kernel):
+  """run(k, βᴾ, gᴾ) → (y [B, T, H, K], A_T [B, H, K]), a call of the Pallas function `kernel`, run on the inputs
+  with their non-finite entries zeroed, and NaN where the token-serial second moment has it: in a channel from
+  its sequence's first fault in it on (a NaN or inf in k_t there, in βᴾ_t, or a log-decay NaN or +inf), and in
+  its final state.
 
   A kernel's chunk meets its tokens in matmuls, where a zero weight times a NaN is NaN: a fault would reach the
   rows of its chunk before it, and, with segment starts folded into a −30 log-decay (`_choose`), the next
-  segment through e^−30 · NaN. On finite inputs the selects change nothing."""
+  segment through e^−30 · NaN. On finite inputs the selects change nothing. A kernel that declares
+  `confines_faults` does this itself for unpacked sequences: it is called as it is then."""
+  if segment_ids is None and getattr(getattr(kernel, "func", kernel), "confines_faults", False):
+    return run(k, beta_p, log_decay_p)
   bad_k = ~jnp.isfinite(k)
   bad_b = ~jnp.isfinite(beta_p)
   bad_g = jnp.isnan(log_decay_p) | (log_decay_p == jnp.inf)
   since = faults.since_first(bad_k | (bad_b | bad_g)[..., None], segment_ids)
   zero = lambda x, bad: jnp.where(bad, jnp.zeros((), x.dtype), x)
-  y, A_T = kernel(zero(k, bad_k), zero(beta_p, bad_b), zero(log_decay_p, bad_g))
+  y, A_T = run(zero(k, bad_k), zero(beta_p, bad_b), zero(log_decay_p, bad_g))
   y = jnp.where(since.at, jnp.asarray(jnp.nan, y.dtype), y)
   if A_T is not None and segment_ids is None:
     A_T = jnp.where(since.poisoned[:, -1], jnp.asarray(jnp.nan, A_T.dtype), A_T)
@@ -121,7 +125,8 @@ def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=Non
   kind, kernel, g = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
                             initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
-    A, A_T = _confined(lambda k, b, g: kernel(k, g, beta=b, initial_state=initial_state), k, beta_p, g, segment_ids)
+    A, A_T = _confined(lambda k, b, g: kernel(k, g, beta=b, initial_state=initial_state), k, beta_p, g, segment_ids,
+                     kernel)
     return A, (A_T if segment_ids is None else None)
   if kind == "reference":
     return naive.second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids)
@@ -157,7 +162,7 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
                             _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
     k_write, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="pdn", center=center, x=x, eps=eps,
-                                                    initial_state=initial_state), k, beta_p, g, segment_ids)
+                                                    initial_state=initial_state), k, beta_p, g, segment_ids, kernel)
     return _saveable(k_write), (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)
@@ -174,7 +179,7 @@ def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment
                             _static(lam), initial_state=initial_state, log_decay_p=log_decay_p)
   if kind == "pallas":
     q_tilde, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="atq", q=q, lam=lam,
-                                                    initial_state=initial_state), k, beta_p, g, segment_ids)
+                                                    initial_state=initial_state), k, beta_p, g, segment_ids, kernel)
     return q_tilde, (A_T if segment_ids is None else None)
   A, A_T = second_moment(k, beta_p, log_decay_p, initial_state=initial_state, segment_ids=segment_ids,
                          implementation=implementation)

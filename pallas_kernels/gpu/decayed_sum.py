@@ -13,6 +13,12 @@ with G the in-chunk cumsum of g (computed outside, head-major):
 one [C, C] × [C, BK] dot; the chunk's last row carries. T is zero-padded to a multiple of C (b = 0, g = 0 leave
 A unchanged, so A_T is exact).
 
+Faults stay where the token-serial recurrence puts them, without help from the caller (`confines_faults`): a
+non-finite b_t (a NaN or inf in x_t or β_t, or x_t² overflowing) or a log-decay g_t that is NaN or +inf makes the
+channel's A from t on and A_T NaN (every channel for g_t), the rows before t as in the clean run. In the kernel
+the faulty b enter the dot as 0 and a per-channel flag, carried across chunks, marks the rows from the first
+fault on. The flag cannot tell a sequence's segments apart, so packed callers confine faults themselves.
+
 Backward (`jax.custom_vjp`, no second kernel): the adjoint λ_t = dA_t + e^{g_{t+1}} λ_{t+1}, λ_{T+1} = dA_T, is
 the same recurrence in reversed time with the decays shifted by one token, so it is this kernel run on the
 flipped cotangents. Then db = λ, dg_t = Σ_K λ_t ⊙ (A_t − b_t), dA0 = e^{g_1} λ_1, and for "square"
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.chunk_math import F32, dot, last_row
+from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.gpu.intra import decay_factor
@@ -43,17 +49,26 @@ def _kernel(square, chunk, num_chunks, *refs):
   else:
     (x_ref, g_ref, a0_ref, a_ref, last_ref), beta_ref = refs, None
 
-  def body(c, A):
+  def body(c, carry):
+    A, dead = carry
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     b = x_ref[rows, :].astype(F32)
     if square:
       b = beta_ref[rows][:, None] * b * b
     G = g_ref[rows]
-    Ac = dot(decay_factor(G, chunk, strict=False), b) + jnp.exp(G)[:, None] * A[None, :]
-    a_ref[rows, :] = Ac
-    return last_row(Ac)
+    # A fault (b_t non-finite, or G_t: a log-decay NaN or +inf, carried by the in-chunk cumsum) enters the dot
+    # as 0 and its channel is dead from t on: a zero weight times a NaN would reach the chunk's earlier rows.
+    bad = ~(jnp.abs(b) < jnp.inf) | ~(jnp.abs(G) < jnp.inf)[:, None]
+    row = iota(b.shape, 0).astype(F32)
+    first = jnp.min(jnp.where(bad, row, float(chunk)), axis=0)
+    dead_rows = (row >= first[None, :]) | (dead[None, :] > 0.0)
+    Ac = dot(decay_factor(G, chunk, strict=False), jnp.where(bad, 0.0, b)) + jnp.exp(G)[:, None] * A[None, :]
+    a_ref[rows, :] = jnp.where(dead_rows, jnp.nan, Ac)
+    return last_row(Ac), last_row(dead_rows.astype(F32))
 
-  last_ref[...] = lax.fori_loop(0, num_chunks, body, a0_ref[...].astype(F32))
+  A0 = a0_ref[...].astype(F32)
+  A_T, dead = lax.fori_loop(0, num_chunks, body, (A0, jnp.zeros_like(A0)))
+  last_ref[...] = jnp.where(dead > 0.0, jnp.nan, A_T)
 
 
 def _call(x, beta, G, A0, *, chunk, interpret):
@@ -137,6 +152,9 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret: bool 
   A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
   return _decayed_sum(x, f32(beta), g, A0, bool(interpret))
+
+
+decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
 
 
 def supports(spec: Spec) -> bool:

@@ -21,6 +21,9 @@ through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
       ν_{c+1}); dk = 2βk ⊙ λ, dβ_t = Σ_K k² ⊙ λ_t, dg_t = e^{g_t} Σ_K λ_t ⊙ A_{t−1}, plus the transform's own
       terms (pdn: dk += dy ⊙ M and the center's dc; atq: dq = dy / (A + λ)). dβ, dg of a split K and dc of
       every program come out as partial sums over an extra axis, summed in XLA.
+Faults stay where the token-serial recurrence puts them (`confines_faults`, unpacked): a column sum keeps a
+non-finite b_t or w_t in its channel's summary, the carries' `decayed_sum` makes the channel dead from that
+chunk on without touching earlier chunks, and the rows of a chunk run one by one from a finite A_in.
 Every factor is e^{g}, e^{G} or e^{G_C − G} ≤ 1: nothing to mask, nothing overflows. Every row of a chunk is
 loaded before the first store (a load after a store to a ref that may alias it is not issued early).
 T is zero-padded to a multiple of C (b = 0, g = 0 leave A unchanged, so A_T is exact), K to a power of two ≥ 16.
@@ -155,6 +158,7 @@ def _summaries_kernel(st, k_ref, w_ref, s_ref):
 def _apply_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, y_ref):
   rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref)
   for t, A in enumerate(_moments(rows, ain_ref[...])):
+    A = jnp.where(jnp.abs(A) < jnp.inf, A, jnp.nan)   # ATQ's q / (inf + λ) would be a finite 0
     y_ref[t, :] = _transform(st, A, rows.k[t], rows.p[t]).astype(y_ref.dtype)
 
 
@@ -416,6 +420,9 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
   center = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
   return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, center, st)
+
+
+precond_key.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
 
 
 def supports(spec: Spec) -> bool:
