@@ -25,6 +25,12 @@ kernel in reverse (`reverse=True`: chunks visited last to first by the index map
 carry = e^{g} λ of the chunk's first token), so no flipped copy of dA or λ is made and the final carry is
 dA0 = e^{g_1} λ_1. Then, in XLA, db = λ,
 dg_t = Σ_K λ_t ⊙ (A_t − b_t), and for "square" dx = 2 β x ⊙ λ, dβ = Σ_K x² ⊙ λ.
+
+The forward confines faults as the token-serial recurrence does, without help from the caller (`confines_faults`,
+unpacked): a non-finite b_t (a NaN or inf in x_t, or x_t² overflowing) or a faulty β_t or g_t (non-finite β, g NaN
+or +inf) makes the channel's A from t on and A_T NaN (every channel for β_t and g_t), the rows before t as in the
+clean run: the faulty terms enter the dot as 0, and a per-channel flag in a second VMEM scratch, carried across
+chunks, marks the rows from the first fault on.
 """
 from __future__ import annotations
 
@@ -88,11 +94,13 @@ def layout(t: int, h: int, k: int, config: Config) -> Layout:
 
 def _kernel(square: bool, reverse: bool, t: int, lay: Layout, *refs):
   """One chunk of one block. x (or dA) [C, Hb, W]; β [Hb, C] (square); G [C, H] and [Hb, C]; A0 [Hb, 1, W] →
-  A (or λ) [C, Hb, W] and, written at the last step, the final carry [Hb, 1, W]; scratch: the carry [Hb, 1, W]."""
+  A (or λ) [C, Hb, W] and, written at the last step, the final carry [Hb, 1, W]; scratch: the carry [Hb, 1, W]
+  and, forward, the dead channels [Hb, 1, W]."""
   if square:
-    x_ref, beta_ref, gcol_ref, grow_ref, a0_ref, a_ref, last_ref, carry_ref = refs
+    x_ref, beta_ref, gcol_ref, grow_ref, a0_ref, a_ref, last_ref, carry_ref, *dead = refs
   else:
-    (x_ref, gcol_ref, grow_ref, a0_ref, a_ref, last_ref, carry_ref), beta_ref = refs, None
+    (x_ref, gcol_ref, grow_ref, a0_ref, a_ref, last_ref, carry_ref, *dead), beta_ref = refs, None
+  dead_ref = dead[0] if dead else None
   head0, step = pl.program_id(1) * lay.block_h, pl.program_id(3)
   c = lay.chunk
   chunk = lay.tp // c - 1 - step if reverse else step
@@ -100,6 +108,8 @@ def _kernel(square: bool, reverse: bool, t: int, lay: Layout, *refs):
   @pl.when(step == 0)
   def _():
     carry_ref[...] = a0_ref[...]
+    if dead_ref is not None:
+      dead_ref[...] = jnp.zeros(dead_ref.shape, F32)
 
   rows, cols = common.iota((c, c), 0), common.iota((c, c), 1)
   mask = rows <= cols if reverse else rows >= cols
@@ -108,12 +118,27 @@ def _kernel(square: bool, reverse: bool, t: int, lay: Layout, *refs):
   valid = common.iota((c, 1), 0) < t - chunk * c
   first_col, last_col = common.iota((1, c), 1) == 0, common.iota((1, c), 1) == c - 1
   gcol = gcol_ref[...]
+  finite = lambda v: jnp.abs(v) < jnp.inf
   for i in range(lay.block_h):
     b = jnp.where(valid, x_ref[:, i, :].astype(F32), 0.0)         # [C, W]
     if square:
       b = b * b
     g_col = common.take(gcol, head0 + i, 1)                         # [C, 1]
     g_row = grow_ref[i:i + 1, :]                                    # [1, C]
+    beta_row = None if beta_ref is None else beta_ref[i:i + 1, :]   # [1, C]
+    if dead_ref is not None:
+      # Forward: a fault (b_t non-finite; β_t non-finite; g_t NaN or +inf, which the in-chunk cumsum G carries to
+      # the rows after it) enters the dot as 0, and its channel is dead from t on (NaN in A and A_T), carried
+      # across chunks in dead_ref. A faulty β_t is zeroed where it weights Γ's column t, which reaches every row.
+      bad = ~finite(b) | ~finite(g_col)
+      if beta_row is not None:
+        bad_beta = (~finite(beta_row)).astype(F32)                                       # [1, C]
+        beta_row = jnp.where(bad_beta > 0.0, 0.0, beta_row)
+        bad = bad | (jnp.sum(jnp.where(rows == cols, bad_beta, 0.0), axis=1, keepdims=True) > 0.0)   # [C, 1]
+      b = jnp.where(bad, 0.0, b)
+      row = common.iota(b.shape, 0).astype(F32)
+      first = jnp.min(jnp.where(bad, row, float(c)), axis=0, keepdims=True)           # [1, W]
+      dead_rows = (row >= first) | (dead_ref[i] > 0.0)
     if reverse:
       gamma = common.masked_exp(g_row - g_col, mask)
       g_last = jnp.sum(jnp.where(last_col, g_row, 0.0), axis=1, keepdims=True)        # [1, 1]
@@ -122,19 +147,25 @@ def _kernel(square: bool, reverse: bool, t: int, lay: Layout, *refs):
       gamma = common.masked_exp(g_col - g_row, mask)
       decay = jnp.exp(g_col)
     if square:
-      gamma = gamma * beta_ref[i:i + 1, :]
-    a_ref[:, i, :] = common.dot(gamma, b) + decay * carry_ref[i]
-    # The carry, read back as one aligned tile of 8 rows: the chunk's last row of A (forward); e^{g} λ of the
+      gamma = gamma * beta_row
+    a_chunk = common.dot(gamma, b) + decay * carry_ref[i]
+    # The carry, taken from one aligned tile of 8 rows: the chunk's last row of A (forward); e^{g} λ of the
     # chunk's first token (reverse).
     if reverse:
+      a_ref[:, i, :] = a_chunk
       g_first = jnp.sum(jnp.where(first_col, g_row, 0.0), axis=1, keepdims=True)
-      carry_ref[i] = jnp.exp(g_first) * common.take(a_ref[0:8, i, :], 0, 0)
+      carry_ref[i] = jnp.exp(g_first) * common.take(a_chunk[0:8], 0, 0)
     else:
-      carry_ref[i] = common.take(a_ref[c - 8:c, i, :], 7, 0)
+      a_ref[:, i, :] = jnp.where(dead_rows, jnp.nan, a_chunk)
+      carry_ref[i] = common.take(a_chunk[c - 8:c], 7, 0)
+      dead_ref[i] = common.take(dead_rows.astype(F32)[c - 8:c], 7, 0)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _():
-    last_ref[...] = carry_ref[...]
+    if dead_ref is None:
+      last_ref[...] = carry_ref[...]
+    else:
+      last_ref[...] = jnp.where(dead_ref[...] > 0.0, jnp.nan, carry_ref[...])
 
 
 def _call(x, beta, G, A0, *, lay: Layout, reverse: bool, interpret):
@@ -158,7 +189,7 @@ def _call(x, beta, G, A0, *, lay: Layout, reverse: bool, interpret):
       functools.partial(_kernel, square, reverse, t, lay), grid=(b, h // hb, k // w, nc), in_specs=in_specs,
       out_specs=[tiles, state],
       out_shape=[jax.ShapeDtypeStruct((b, t, h, k), F32), jax.ShapeDtypeStruct((b, h, 1, k), F32)],
-      scratch_shapes=[pltpu.VMEM((hb, 1, w), F32)],
+      scratch_shapes=[pltpu.VMEM((hb, 1, w), F32)] * (1 if reverse else 2),
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), interpret=interpret,
       name="decayed_sum_reverse" if reverse else "decayed_sum", cost_estimate=cost)(*args)
 
@@ -226,6 +257,9 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret=None, 
   A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
   g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
   return _decayed_sum(x, f32(beta), g, A0, config or config_for(), common.default_interpret(interpret))
+
+
+decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
 
 
 def supports(spec: Spec) -> bool:

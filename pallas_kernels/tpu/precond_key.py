@@ -7,7 +7,8 @@
 `precond_key` has the signature and results of `pallas_kernels.gpu.precond_key.precond_key` (the op
 "precond_key": `osdn_jax.dgps.precond.pdn_write_key` / `atq_query`, unpacked). Unlike the GPU kernel it stores A
 [B, T, H, K] fp32 once: the transform is one elementwise XLA fusion over A and k (or q), and its gradient reaches
-the kernel's own backward through autodiff.
+the kernel's own backward through autodiff. Faults stay where the token-serial recurrence puts them, as
+`decayed_sum` confines them, with NaN wherever A_t is not finite.
 """
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   check_precond_key("precond_key (pallas tpu)", k, beta, log_decay, transform, q, center, x, eps, lam,
                     initial_state)
   A, A_T = decayed_sum(k, log_decay, beta=beta, initial_state=initial_state, interpret=interpret, config=config)
+  A = jnp.where(jnp.isfinite(A), A, jnp.nan)           # ATQ's q / (inf + λ) would be a finite 0
   if transform == "atq":
     p, dtype = q.astype(jnp.float32), q.dtype
   else:                                                   # the center per head, against A [B, T, H, K]
     p, dtype = jnp.asarray(center, jnp.float32).reshape(-1)[:, None], k.dtype
   y = precond_transform(transform, A, k.astype(jnp.float32), p, x=x, eps=eps, lam=lam)
   return y.astype(dtype), A_T
+
+
+precond_key.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (`decayed_sum`)
 
 
 def supports(spec: Spec) -> bool:
