@@ -1,5 +1,5 @@
-"""The PDN / ATQ kernels (interpret mode on CPU) called directly, unpacked, on inputs with a fault: each confines
-it as the token-serial recurrence does (`confines_faults`), with no help from the caller. A NaN, an inf or an
+"""The PDN / ATQ kernels of both backends (interpret mode on CPU) called directly, unpacked, on inputs with a
+fault: each confines it as the token-serial recurrence does (`confines_faults`), with no help from the caller. A NaN, an inf or an
 overflowing square in k_t (one channel), or a NaN in β_t or in the log-decay g_t, or g_t = +inf (every channel of
 the head): outputs from t on and A_T non-finite there; the rows before t, the other channels, heads and batch rows
 as in the clean run."""
@@ -9,8 +9,10 @@ import pytest
 
 from pallas_kernels.gpu import decayed_sum as ds
 from pallas_kernels.gpu import precond_key as pk
+from pallas_kernels.tpu import decayed_sum as tpu_ds
+from pallas_kernels.tpu import precond_key as tpu_pk
 
-B, T, H, K = 2, 100, 2, 20        # T not a multiple of either kernel's chunk, K padded
+B, T, H, K = 2, 300, 2, 20        # T not a multiple of any kernel's chunk (TPU: 128), K padded
 CHANNEL = 5
 
 FAULTS = {   # (input, value, the whole head) at (batch 1, token t, head 0[, CHANNEL])
@@ -32,16 +34,20 @@ KERNELS = {
     "decayed_sum": lambda a: ds.decayed_sum(a["k"], a["g"], beta=a["beta"], interpret=True),
     "pdn": lambda a: pk.precond_key(a["k"], a["beta"], a["g"], transform="pdn", center=jnp.zeros(H), interpret=True),
     "atq": lambda a: pk.precond_key(a["k"], a["beta"], a["g"], transform="atq", q=a["q"], interpret=True),
+    "tpu decayed_sum": lambda a: tpu_ds.decayed_sum(a["k"], a["g"], beta=a["beta"], interpret=True,
+                                                    config=tpu_ds.Config(chunk=128)),
+    "tpu atq": lambda a: tpu_pk.precond_key(a["k"], a["beta"], a["g"], transform="atq", q=a["q"], interpret=True,
+                                            config=tpu_ds.Config(chunk=128)),
 }
 
 
 def test_the_kernels_declare_it():
-  assert ds.decayed_sum.confines_faults and pk.precond_key.confines_faults
+  for kernel in (ds.decayed_sum, pk.precond_key, tpu_ds.decayed_sum, tpu_pk.precond_key):
+    assert kernel.confines_faults
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("t, fault", [(170, f) for f in FAULTS] + [(30, "k nan")])   # chunk 1 or 2, and chunk 0
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("t", [30, 70])
 def test_a_fault_stays_where_the_recurrence_puts_it(kernel, fault, t):
   clean = _inputs()
   name, value, whole_head = FAULTS[fault]
