@@ -1,8 +1,8 @@
-"""The PDN / ATQ kernels of both backends (interpret mode on CPU) called directly, unpacked, on inputs with a
-fault: each confines it as the token-serial recurrence does (`confines_faults`), with no help from the caller. A NaN, an inf or an
-overflowing square in k_t (one channel), or a NaN in β_t or in the log-decay g_t, or g_t = +inf (every channel of
-the head): outputs from t on and A_T non-finite there; the rows before t, the other channels, heads and batch rows
-as in the clean run."""
+"""The PDN / ATQ kernels of both backends (interpret mode on CPU) called directly, unpacked, on inputs with a fault:
+each confines it as the token-serial recurrence does (`confines_faults`), with no help from the caller. A NaN, an
+inf or an overflowing square in k_t (one channel), or a NaN in β_t or in the log-decay g_t, or g_t = +inf (every
+channel of the head): outputs from t on and A_T non-finite there; the rows before t, the other channels, heads and
+batch rows as in the clean run."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
