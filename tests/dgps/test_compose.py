@@ -134,7 +134,7 @@ def test_a_custom_pass_is_named_for_the_remat_policies():
 
 _SPLIT = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     from osdn_jax import dgps
@@ -148,13 +148,13 @@ _SPLIT = textwrap.dedent("""
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     q, k, v = f(2, 16, 2, 8), f(2, 16, 2, 8), f(2, 16, 2, 4)
     feats, params = {"decay": {}, "gain": {"b": f(2, 16, 2)}, "precond": {}}, point.init_params(jax.random.key(0), dims)
-    whole, fin = point(q, k, v, feats, params, output_final_state=True)
+    whole, fin = jax.jit(lambda q, k, v, feats: point(q, k, v, feats, params, output_final_state=True))(q, k, v, feats)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
     tok = P(None, "context")
     body = lambda q, k, v, feats: point(q, k, v, feats, params, output_final_state=True, context="context")
     try:
-      split, sfin = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, {"decay": {}, "gain": {"b": tok},
-                                  "precond": {}}), out_specs=(tok, P()), check_vma=False)(q, k, v, feats)
+      split, sfin = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, {"decay": {}, "gain": {"b": tok},
+                                          "precond": {}}), out_specs=(tok, P()), check_vma=False))(q, k, v, feats)
     except ValueError as e:
       print("ValueError:", e); sys.exit(0)
     err = lambda a, b: float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))

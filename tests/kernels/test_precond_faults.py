@@ -3,6 +3,8 @@ each confines it as the token-serial recurrence does (`confines_faults`), with n
 inf or an overflowing square in k_t (one channel), or a NaN in β_t or in the log-decay g_t, or g_t = +inf (every
 channel of the head): outputs from t on and A_T non-finite there; the rows before t, the other channels, heads and
 batch rows as in the clean run."""
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,6 +43,12 @@ KERNELS = {
 }
 
 
+@functools.cache
+def _clean_run(kernel):
+  """`kernel` on the clean inputs (numpy): one run per kernel, shared by its cases."""
+  return tuple(map(np.asarray, KERNELS[kernel](_inputs())))
+
+
 def test_the_kernels_declare_it():
   for kernel in (ds.decayed_sum, pk.precond_key, tpu_ds.decayed_sum, tpu_pk.precond_key):
     assert kernel.confines_faults
@@ -56,7 +64,7 @@ def test_a_fault_stays_where_the_recurrence_puts_it(kernel, fault, t):
     faulty["k"][1, t, 0, CHANNEL] = value if value != 1e20 else faulty["k"][1, t, 0, CHANNEL] * value
   else:
     faulty[name][1, t, 0] = value
-  y0, last0 = map(np.asarray, KERNELS[kernel](clean))
+  y0, last0 = _clean_run(kernel)
   y1, last1 = map(np.asarray, KERNELS[kernel](faulty))
   hit = np.zeros(y0.shape, bool)
   if whole_head:

@@ -1,10 +1,11 @@
 """Context parallelism (`osdn_jax.ops.context`): T split over 8 fake CPU devices equals the unsplit solve.
 
-Every case runs in a fresh process with 8 host devices (the device count is fixed when JAX starts). The points
-run under `shard_map` with T split over the "context" axis and compare with the same point unsplit: the fp64
-token-serial reference for values (outputs, the solve's and the preconditioner's final states), the unsplit XLA
-or Pallas (interpret) path for every input gradient (q, k, v, features, parameters, initial states). Inputs are
-drawn afresh every run; a failure prints its seed.
+Every case runs in a fresh process with 8 host devices (the device count is fixed when JAX starts) and the
+suite's XLA flags (`tests/conftest.py`: fast compilation). The points run under `shard_map` with T split over the
+"context" axis and compare with the same point unsplit: the fp64 token-serial reference for values (outputs, the
+solve's and the preconditioner's final states), the unsplit XLA or Pallas (interpret) path for every input
+gradient (q, k, v, features, parameters, initial states). Inputs are drawn afresh every run; a failure prints its
+seed.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 _CASES = textwrap.dedent("""
     import os, sys, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     jax.config.update("jax_enable_x64", True)
@@ -146,7 +147,7 @@ def test_context_parallel_pallas_kernels():
 
 _TRAIN_STEP = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, numpy as np, optax
     jax.config.update("jax_enable_x64", False)
     from osdn_jax.train import configs, loop, mesh as mesh_lib

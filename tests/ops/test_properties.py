@@ -15,7 +15,8 @@
 
 Every case is one `chex.TestCase` method per variant (and per decay / solve / preconditioner where those are
 parameters); hypothesis draws the rest inside it with the example count `examples(base)` of the active profile.
-The module is marked `hypothesis`, so CI's slow step reruns it under the "thorough" profile.
+The module is marked `hypothesis`, so CI's slow step reruns it under the "thorough" profile. `make test` runs every
+case under jit and one case per class without it (`_eager_in_the_quick_suite`); the slow step runs them all.
 """
 import chex
 import jax
@@ -87,12 +88,26 @@ def _run_examples(base, strategy, check):
   settings(max_examples=examples(base))(given(strategy)(check))()
 
 
+def _eager_in_the_quick_suite(*keep):
+  """A class decorator: marks the class's `__without_jit` variants slow except the methods named in `keep` (every
+  case runs under jit in `make test`; `keep` runs one of them without jit there too)."""
+  def mark(cls):
+    names = [n for n in dir(cls) if n.startswith("test") and n.endswith("__without_jit")]
+    assert set(keep) <= set(names), (cls.__name__, sorted(set(keep) - set(names)))
+    for name in names:
+      if name not in keep:
+        setattr(cls, name, pytest.mark.slow(getattr(cls, name)))
+    return cls
+  return mark
+
+
 def _jit_vjp(fn, arrays):
   """`vjp_all(fn, arrays)` as one compiled program: for the side a property compares against (the function under
   test goes through `self.variant`)."""
   return jax.jit(lambda a: vjp_all(fn, a))(arrays)
 
 
+@_eager_in_the_quick_suite("test_matches_the_oracle_online_channel__without_jit")
 class ChunkedSolveTest(chex.TestCase):
   """Property 1: the chunked XLA solves against the fp64 token-serial oracle."""
 
@@ -113,6 +128,7 @@ def _cut(x, sl):
   return None if x is None else x[:, sl]
 
 
+@_eager_in_the_quick_suite("test_zero_padding_is_invisible_scalar__without_jit")
 class SolveStructureTest(chex.TestCase):
   """Properties 2 and 3: chaining through the final state, and zero padding (both solves drawn; the fixed cases
   without gradients: tests/ops/test_api.py::test_chaining_two_halves,
@@ -228,6 +244,7 @@ def _precond(which, impl, options):
 PRECONDITIONERS = [("pdn", "pdn"), ("atq", "atq"), ("osdn", "osdn"), ("osdn_apf", "osdn-apf")]
 
 
+@_eager_in_the_quick_suite("test_fast_form_matches_the_reference_pdn__without_jit")
 class PreconditionerTest(chex.TestCase):
   """Property 4: the preconditioner passes (fp64 against fp64: both forms are exact algebra)."""
 
@@ -305,6 +322,7 @@ def pallas_problems(draw):
   return p, draw(st.sampled_from((16, 32, 64))), sids, draw(st.sampled_from((jnp.float32, jnp.bfloat16)))
 
 
+@_eager_in_the_quick_suite()
 class PallasDeltaRuleTest(chex.TestCase):
   """Property 5: the Pallas delta-rule kernels against the fp64 oracle."""
 
