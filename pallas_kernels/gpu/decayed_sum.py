@@ -64,7 +64,7 @@ def _kernel(square, chunk, num_chunks, *refs):
     dead_rows = (row >= first[None, :]) | (dead[None, :] > 0.0)
     Ac = dot(decay_factor(G, chunk, strict=False), jnp.where(bad, 0.0, b)) + jnp.exp(G)[:, None] * A[None, :]
     a_ref[rows, :] = jnp.where(dead_rows, jnp.nan, Ac)
-    return last_row(Ac), last_row(dead_rows.astype(F32))
+    return last_row(Ac), jnp.maximum(dead, (first < chunk).astype(F32))
 
   A0 = a0_ref[...].astype(F32)
   A_T, dead = lax.fori_loop(0, num_chunks, body, (A0, jnp.zeros_like(A0)))
