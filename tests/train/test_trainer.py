@@ -370,13 +370,15 @@ def _corpus_or_skip():
 
 def test_killed_and_resumed_run_logs_the_same_losses(tmp_path):
   """The README's tiny run on the text corpus, SIGKILLed once its step-4 checkpoint exists, then started again:
-  every step's loss equals the uninterrupted run's (fp32, CPU)."""
+  every step's loss equals the uninterrupted run's (fp32, CPU). The three runs share a persistent compilation
+  cache of their own (the later two load the programs the first compiled)."""
   _corpus_or_skip()
   steps = 16
   cmd = lambda d: [sys.executable, "-m", "osdn_jax.train", "--config=tiny", f"--workdir={d}",
                    f"--config.steps={steps}", "--config.checkpoint_every=2", "--config.log_every=1",
                    "--config.progress=false"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   whole, killed = tmp_path / "whole", tmp_path / "killed"
   subprocess.run(cmd(whole), check=True, env=env, cwd=REPO, capture_output=True, timeout=600)
   proc = subprocess.Popen(cmd(killed), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

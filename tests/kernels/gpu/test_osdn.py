@@ -285,7 +285,8 @@ def _span_inputs(seed, T=151):
   return a
 
 
-@pytest.mark.parametrize("mode", ["none", "zero", pytest.param("init", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero",
+                                  pytest.param("init", marks=pytest.mark.slow)])
 def test_spanned_chain(mode):
   """The forward's chain over spans of S blocks (`Config.spans`, `osdn.spans`): T = 151 (odd) is
   nine blocks of 16 and a tail of 7 tokens; S = 2 gives five spans, the last of one block (ragged), S = 4
@@ -326,7 +327,7 @@ def test_spanned_chain(mode):
   _assert_close(got, want, names)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero", "init"])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) for m in ("none", "zero")] + ["init"])
 def test_spanned_backward(mode):
   """The backward's chain over spans (`Config.spans` = 2, every block flagged, so the `lax.cond` takes it):
   the spans' maps in reverse, the tail and the pass across spans, the blocks per span, then the
@@ -441,7 +442,7 @@ def _write_key_inputs(seed, *, B, T, H, G, K, states):
   return k, beta, r, f(0.5 + rng.random(size=(states, G, K)))
 
 
-@pytest.mark.parametrize("anchor", ["zero", "init"])
+@pytest.mark.parametrize("anchor", [pytest.param("zero", marks=pytest.mark.slow), "init"])
 def test_osdn_write_key_end_to_end(anchor):
   """osdn_write_key(implementation="pallas") against "reference": odd T, K = 20 (padded to 32), GVA gains
   (G = 2H), APF retention, an initial state, the guard, the default clip [0, 8] with an aggressive η; values and

@@ -450,9 +450,15 @@ def _kernel_vmem(hlo: str):
   return tuple(sizes) or None
 
 
+# `make test`: every chip once and both decays (scalar on v5e and v5p, per-channel on v6e); the slow step: the rest.
+_FORWARD_QUICK = {("v5e:2x2", "scalar"), ("v5p:2x2x1", "scalar"), ("v6e:2x2", "channel")}
+_FORWARD_CASES = [pytest.param(topology, decay, marks=[] if (topology, decay) in _FORWARD_QUICK
+                               else [pytest.mark.slow])
+                  for decay in ("scalar", "channel", "none") for topology in TOPOLOGIES]
+
+
 @_SKIP_AOT
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("decay", ["scalar", "channel", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("topology,decay", _FORWARD_CASES)
 def test_aot_compiles_for_tpu(topology, decay, record_property):
   """Mosaic compiles the bf16 forward kernel (key-head write keys, an initial state) for one chip of each topology
   at B=4 T=4096 H=16 K=V=128. Fed [B, T, H·D] arrays, the program's memory is the inputs, o and S_T: its
@@ -466,8 +472,9 @@ def test_aot_compiles_for_tpu(topology, decay, record_property):
   assert 0 <= memory["output"] - (b * t * h * vd * 2 + b * h * kd * vd * 4) <= 4096, memory   # (+ tuple table)
 
 
-# `make test`: scalar decay on every chip and per-channel decay on one at the first shape; the slow step: the rest.
-_GRAD_QUICK = {(t, "scalar", "large") for t in TOPOLOGIES} | {("v6e:2x2", "channel", "large")}
+# `make test`: scalar decay on v5p and per-channel decay on v6e at the first shape (v5e's gradient programs:
+# test_aot_variants); the slow step: the rest.
+_GRAD_QUICK = {("v5p:2x2x1", "scalar", "large"), ("v6e:2x2", "channel", "large")}
 _GRAD_CASES = [pytest.param(topology, decay, shape, marks=[] if (topology, decay, shape) in _GRAD_QUICK
                             else [pytest.mark.slow])
                for topology in TOPOLOGIES for decay in ("scalar", "channel", "none") for shape in ("large", "long")]
