@@ -54,7 +54,9 @@ Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes i
                 length, so the queries get seq_len − 2·kv·mqar_reads tokens
   passkey_depth the needle's depth in [0, 1], or −1 for a uniform draw per row
   passkey_digits  digits of the passkey
-  prefetch      batches prepared ahead in a background thread (0: none)
+  prefetch      batches prepared ahead in a background thread (0: none). The trainer's loop runs ahead of the
+                device until it reads a logged step's metrics, so it takes up to log_every batches at once
+                after each log: a depth below that makes it wait for batches while the device is still busy
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ from osdn_jax.data import recall, sources, tokenizers, tokens
 SOURCES = ("text", "tokens", "random", "mqar", "passkey")
 DEFAULTS = dict(source="text", path="", tokenizer="byte", vocab_size=256, text_dir="", split="train",
                 block_chars=8192, num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
-                passkey_digits=5, prefetch=2)
+                passkey_digits=5, prefetch=16)
 STATE_VERSION = 2
 # Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)

@@ -82,7 +82,7 @@ def base() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="text", path="", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
       num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0, passkey_digits=5,
-      prefetch=2))
+      prefetch=16))
   return c
 
 
