@@ -21,10 +21,6 @@ from absl import app, flags
 from osdn_jax.data import pipeline as pipeline_lib
 from osdn_jax.train import configs
 
-_CONFIG = flags.DEFINE_string("config", "340m", "the named training config whose data, batch and seq_len are used")
-_STEP_S = flags.DEFINE_float("step_s", 0.315, "device seconds per step")
-_PREFETCH = flags.DEFINE_list("prefetch", ["2", "16"], "prefetch depths to compare")
-_WINDOWS = flags.DEFINE_integer("windows", 6, "log windows per depth (the first is left out of the medians)")
 
 
 def measure(config, prefetch: int, step_s: float, windows: int) -> list[tuple[float, float]]:
@@ -52,15 +48,25 @@ def measure(config, prefetch: int, step_s: float, windows: int) -> list[tuple[fl
   return rows
 
 
+def define_flags() -> None:
+  """The command line's flags (defined only when run as a program: the trainer's modules define `--config`)."""
+  flags.DEFINE_string("config", "340m", "the named training config whose data, batch and seq_len are used")
+  flags.DEFINE_float("step_s", 0.315, "device seconds per step")
+  flags.DEFINE_list("prefetch", ["2", "16"], "prefetch depths to compare")
+  flags.DEFINE_integer("windows", 6, "log windows per depth (the first is left out of the medians)")
+
+
 def main(argv):
   del argv
-  print(f"config {_CONFIG.value}, modelled step {_STEP_S.value} s; medians over windows 2–{_WINDOWS.value}")
+  f = flags.FLAGS
+  print(f"config {f.config}, modelled step {f.step_s} s; medians over windows 2–{f.windows}")
   print(f"{'prefetch':>9}{'host wait':>12}{'device idle':>13}")
-  for depth in _PREFETCH.value:
-    rows = measure(configs.get_config(_CONFIG.value), int(depth), _STEP_S.value, _WINDOWS.value)[1:]
+  for depth in f.prefetch:
+    rows = measure(configs.get_config(f.config), int(depth), f.step_s, f.windows)[1:]
     wait, idle = (statistics.median(r[i] for r in rows) for i in (0, 1))
     print(f"{depth:>9}{100 * wait:>11.2f}%{100 * idle:>12.2f}%")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
