@@ -37,8 +37,8 @@ def _run(module: str, out: pathlib.Path, cache: str, *args: str) -> subprocess.C
 
 @pytest.mark.parametrize("name", ["mqar", "demo", "recall", "passkey",
                                   pytest.param("lm", marks=needs_corpus),
-                                  pytest.param("contraction", marks=needs_corpus),
-                                  pytest.param("clip", marks=needs_corpus)])
+                                  pytest.param("contraction", marks=[needs_corpus, pytest.mark.slow]),
+                                  pytest.param("clip", marks=[needs_corpus, pytest.mark.slow])])
 def test_cli_smoke(name, tmp_path, compilation_cache):
   """`python -m experiments.NAME --smoke` writes NAME.json (with the command that reruns it), NAME.md (a table
   with a row per variant) and a PNG."""

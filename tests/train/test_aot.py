@@ -101,6 +101,9 @@ def test_collectives_count_loop_iterations_chains_and_reachable_code():
   assert stats["unknown_trip_counts"] == 0
 
 
+# In the slow step: the TPU compile of a whole training step (the kernels' TPU compiles are in the gate,
+# tests/kernels/tpu/).
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu-aot extra)")
 def test_tiny_step_compiles_for_a_v5e_slice(tmp_path):
   """fsdp over the 4 chips: parameters gathered for the forward and gradients reduce-scattered; the report

@@ -285,8 +285,8 @@ def _span_inputs(seed, T=151):
   return a
 
 
-@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero",
-                                  pytest.param("init", marks=pytest.mark.slow)])
+# The gate runs spans through test_spanned_backward["init"] (its forward too); the slow step every mode here.
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) for m in ("none", "zero", "init")])
 def test_spanned_chain(mode):
   """The forward's chain over spans of S blocks (`Config.spans`, `osdn.spans`): T = 151 (odd) is
   nine blocks of 16 and a tail of 7 tokens; S = 2 gives five spans, the last of one block (ragged), S = 4
