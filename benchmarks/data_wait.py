@@ -22,7 +22,6 @@ from osdn_jax.data import pipeline as pipeline_lib
 from osdn_jax.train import configs
 
 
-
 def measure(config, prefetch: int, step_s: float, windows: int) -> list[tuple[float, float]]:
   """[(host wait, device idle)] per log window, as shares of the window's time."""
   config.data.prefetch = prefetch
