@@ -283,7 +283,8 @@ class Group:
                           accuracy=curves[i][-1]["accuracy"], final_loss=curves[i][-1]["loss"], curve=curves[i],
                           q_geo=diag["q_geo"], recall_residual=diag["recall_residual"],
                           state_norm=diag["state_norm"], cells_in_program=len(cells),
-                          steps_per_s=rate, cell_steps_per_s=rate * len(cells)))
+                          steps_per_s=rate, cell_steps_per_s=rate * len(cells),
+                          timed_steps=self.chunk_steps * len(steady)))
     if partial is not None:
       for path in _partial_files(partial):
         path.unlink(missing_ok=True)
