@@ -158,7 +158,8 @@ def _summaries_kernel(st, k_ref, w_ref, s_ref):
 def _apply_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, y_ref):
   rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref)
   for t, A in enumerate(_moments(rows, ain_ref[...])):
-    A = jnp.where(jnp.abs(A) < jnp.inf, A, jnp.nan)   # ATQ's q / (inf + λ) would be a finite 0
+    if not st.pdn:    # ATQ's q / (inf + λ) would be a finite 0; PDN's scale of an infinite A is NaN already
+      A = jnp.where(jnp.abs(A) < jnp.inf, A, jnp.nan)
     y_ref[t, :] = _transform(st, A, rows.k[t], rows.p[t]).astype(y_ref.dtype)
 
 

@@ -32,8 +32,8 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   check_precond_key("precond_key (pallas tpu)", k, beta, log_decay, transform, q, center, x, eps, lam,
                     initial_state)
   A, A_T = decayed_sum(k, log_decay, beta=beta, initial_state=initial_state, interpret=interpret, config=config)
-  A = jnp.where(jnp.isfinite(A), A, jnp.nan)           # ATQ's q / (inf + λ) would be a finite 0
-  if transform == "atq":
+  if transform == "atq":                                  # q / (inf + λ) would be a finite 0 (PDN's scale is NaN)
+    A = jnp.where(jnp.isfinite(A), A, jnp.nan)
     p, dtype = q.astype(jnp.float32), q.dtype
   else:                                                   # the center per head, against A [B, T, H, K]
     p, dtype = jnp.asarray(center, jnp.float32).reshape(-1)[:, None], k.dtype
