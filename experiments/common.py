@@ -203,12 +203,15 @@ def read_results(paths) -> list[dict]:
   return [json.loads(pathlib.Path(p).read_text()) for p in paths]
 
 
-def merge_parts(paths, spec_type):
+def merge_parts(paths, spec_type, upgrade=None):
   """(settings, rows, provenance) of the result files of parts of one comparison (e.g. one process per variant):
-  the settings are the first part's (a `spec_type` dataclass) with the union of the parts' variants, the rows
-  all parts' rows, the provenance (device, jax, date) the first part's."""
+  the settings are the first part's (a `spec_type` dataclass; `upgrade` maps the fields a file holds to the
+  current ones) with the union of the parts' variants, the rows all parts' rows, the provenance (device, jax,
+  date) the first part's."""
   payloads = read_results(paths)
   fields = {k: tuple(v) if isinstance(v, list) else v for k, v in payloads[0]["spec"].items()}
+  if upgrade is not None:
+    fields = upgrade(fields)
   spec = spec_type(**dict(fields, variants=union(p["spec"]["variants"] for p in payloads)))
   return spec, [r for p in payloads for r in p["rows"]], payloads[0]
 

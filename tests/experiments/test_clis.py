@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from experiments import common, mqar
+from experiments import common, lm, mqar
 from osdn_jax import dgps, testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -164,3 +165,46 @@ def test_a_run_is_reused_only_by_the_same_config(tmp_path):
   other = base.copy_and_resolve_references()
   other.data.num_records = 32
   assert common.run_dir(other, tmp_path / "run") != common.run_dir(base, tmp_path / "run")
+
+
+def _lm_row(variant, seed, loss, curve):
+  return dict(variant=variant, seed=seed, validation_loss=loss, validation_perplexity=math.exp(loss),
+              final_train_loss=curve[-1][1], curve=curve, tokens=3 * 2 * 64)
+
+
+def test_lm_reports_each_variant_over_its_seeds():
+  """Per variant: the mean validation loss over the seeds, the spread (largest − smallest), each seed's loss in seed
+  order, the perplexity of the mean, and the training curve's mean and range at the steps every seed logged."""
+  spec = lm.LM(**dict(lm.SMOKE, variants=("dn", "pdn"), seeds=(0, 1, 2)))
+  rows = [_lm_row("pdn", 2, 1.5, [(1, 3.0), (2, 2.0)]), _lm_row("dn", 1, 2.0, [(1, 4.0), (2, 3.0), (3, 2.5)]),
+          _lm_row("dn", 0, 1.0, [(1, 2.0), (2, 1.0)]), _lm_row("dn", 2, 1.5, [(1, 3.0), (2, 2.0)]),
+          _lm_row("pdn", 0, 1.25, [(1, 3.0), (2, 2.0)]), _lm_row("pdn", 1, 1.75, [(1, 3.0), (2, 2.0)])]
+  dn, pdn = lm.by_variant(rows, spec)
+  assert (dn["variant"], dn["seeds"], dn["losses"]) == ("dn", [0, 1, 2], [1.0, 2.0, 1.5])
+  assert dn["mean"] == pytest.approx(1.5) and dn["spread"] == pytest.approx(1.0)
+  assert dn["perplexity"] == pytest.approx(math.exp(1.5))
+  assert dn["steps"] == [1, 2] and dn["curve_mean"] == [3.0, 2.0]
+  assert dn["curve_low"] == [2.0, 1.0] and dn["curve_high"] == [4.0, 3.0]
+  assert pdn["mean"] == pytest.approx(1.5) and pdn["spread"] == pytest.approx(0.5)
+  text = lm.table(rows, spec)
+  assert "| dn | 1.5000 | 1.0000 | 1.0000 / 2.0000 / 1.5000 |" in text and "seeds 0, 1, 2" in text
+
+
+def test_lm_merges_a_one_seed_file_with_other_seeds(tmp_path, compilation_cache):
+  """A file of one seed (`seed` in its settings, rows without a seed) merged with a part of another seed: one table
+  over both seeds, and the command of the whole comparison."""
+  old = tmp_path / "old"
+  old.mkdir()
+  settings = {k: v for k, v in dataclasses.asdict(lm.LM(**lm.SMOKE)).items() if k != "seeds"}
+  row = {k: v for k, v in _lm_row("dn", 0, 2.0, [(1, 3.0)]).items() if k != "seed"}
+  common.write_results(old, "lm", {"spec": dict(settings, seed=0), "rows": [row]}, "",
+                       provenance=dict(device="cpu", jax="0.10.2", date="2026-12-04"))
+  new = tmp_path / "new"
+  new.mkdir()
+  common.write_results(new, "lm", {"spec": dict(settings, seeds=[1]), "rows": [_lm_row("dn", 1, 3.0, [(1, 4.0)])]},
+                       "", provenance=dict(device="cpu", jax="0.10.2", date="2026-12-04"))
+  out = tmp_path / "merged"
+  _run("lm", out, compilation_cache, f"--merge={old / 'lm.json'},{new / 'lm.json'}")
+  payload = json.loads((out / "lm.json").read_text())
+  assert "--seeds=0,1" in payload["command"]
+  assert "| dn | 2.5000 | 1.0000 | 2.0000 / 3.0000 |" in (out / "lm.md").read_text()
