@@ -216,6 +216,20 @@ def merge_parts(paths, spec_type, upgrade=None):
   return spec, [r for p in payloads for r in p["rows"]], payloads[0]
 
 
+def seed_to_seeds(fields: dict) -> dict:
+  """`merge_parts`'s upgrade for the settings of a file written with one `seed`: that seed as `seeds`."""
+  if "seed" in fields:
+    fields = dict(fields, seeds=(fields.pop("seed"),))
+  return fields
+
+
+def with_seeds(spec, rows: list[dict]):
+  """(spec with `seeds` the seeds of `rows`, rows): rows without a seed (files written with one) are the first
+  seed of spec's."""
+  rows = [dict(r, seed=r.get("seed", spec.seeds[0])) for r in rows]
+  return dataclasses.replace(spec, seeds=tuple(sorted({r["seed"] for r in rows}))), rows
+
+
 def union(lists) -> tuple:
   """The distinct items of several sequences, in first-seen order."""
   return tuple(dict.fromkeys(x for items in lists for x in items))

@@ -149,13 +149,6 @@ def plot(rows: list[dict], spec: LM):
   return fig
 
 
-def _upgrade(fields: dict) -> dict:
-  """The settings of a file written with one `seed` (rows without a seed are that seed's), as `seeds`."""
-  if "seed" in fields:
-    fields = dict(fields, seeds=(fields.pop("seed"),))
-  return fields
-
-
 SMOKE = dict(variants=("dn",), size="tiny", seq_len=64, batch_size=2, steps=3, validation_batches=1, seeds=(0, 1),
              implementation="reference")
 
@@ -172,9 +165,8 @@ def main(argv):
               implementation=f.implementation)
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
-    spec, rows, provenance = common.merge_parts(f.merge, LM, upgrade=_upgrade)
-    rows = [dict(r, seed=r.get("seed", spec.seeds[0])) for r in rows]
-    spec = dataclasses.replace(spec, seeds=tuple(sorted({r["seed"] for r in rows})))
+    spec, rows, provenance = common.merge_parts(f.merge, LM, upgrade=common.seed_to_seeds)
+    spec, rows = common.with_seeds(spec, rows)
   else:
     rows = run(spec, f.out)
   text = table(rows, spec)

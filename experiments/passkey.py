@@ -6,9 +6,13 @@ needle at several depths; the score is the exact match of the greedily generated
   python -m experiments.passkey                   # the default grid (a GPU)
   python -m experiments.passkey --smoke           # CI size
   python -m experiments.passkey --variants=dn,pdn,osdn --train_length=512 --lengths=512,1024,2048
+  python -m experiments.passkey --variants=gdn,pgdn --seeds=0,1,2
 
-Writes OUT/passkey.json, OUT/passkey.md (exact match per variant, length and depth) and OUT/passkey.png (a
-heat-map of depth × length per variant); work directories under OUT/runs/passkey/.
+Each variant trains once per seed (`--seeds`: the seed sets the initialisation, the data order and the test
+haystacks). Writes OUT/passkey.json (exact match per variant, seed, length and depth), OUT/passkey.md (per variant
+and length the mean over depths and seeds; with several seeds, each seed's overall score too) and
+OUT/passkey.png (a heat-map of depth × length per variant, the mean over seeds); work directories under
+OUT/runs/passkey/.
 """
 from __future__ import annotations
 
@@ -40,16 +44,17 @@ class Passkey:
   size: str = "mqar"
   digits: int = 5
   test_examples: int = 64
-  seed: int = 0
+  seeds: tuple[int, ...] = (0,)
   implementation: str = "auto"
 
-  def config(self, variant: str):
+  def config(self, variant: str, seed: int | None = None):
+    """The trainer's config of one run (seed: default the first of `seeds`)."""
     c = common.variant_config(get_config("mqar"), variant, self.size)
     c.seq_len = self.train_length
     c.batch_size = self.batch_size
     c.steps = self.steps
     c.loss_positions = c.loss_chunk = self.digits
-    c.seed = self.seed
+    c.seed = self.seeds[0] if seed is None else seed
     c.implementation = self.implementation
     c.progress = False
     c.log_every = max(1, self.steps // 20)
@@ -65,10 +70,10 @@ class Passkey:
     return c
 
 
-def exact_match(model, length: int, depth: float, spec: Passkey) -> float:
-  """The fraction of test_examples haystacks of `length` bytes, needle at `depth`, whose greedily generated
-  digits all equal the key."""
-  source = PasskeySource(length=length, num_records=spec.test_examples, seed=spec.seed + 1_000_003, depth=depth,
+def exact_match(model, length: int, depth: float, spec: Passkey, seed: int) -> float:
+  """The fraction of test_examples haystacks of `length` bytes, needle at `depth` (drawn with `seed`), whose
+  greedily generated digits all equal the key."""
+  source = PasskeySource(length=length, num_records=spec.test_examples, seed=seed + 1_000_003, depth=depth,
                          digits=spec.digits)
   prompts = jnp.asarray(np.stack([source.prompt(i) for i in range(len(source))]))
   answers = np.stack([source.answer(i) for i in range(len(source))])
@@ -80,33 +85,40 @@ def run(spec: Passkey, out_dir) -> list[dict]:
   root = pathlib.Path(out_dir) / "runs" / "passkey"
   common.enable_compilation_cache(pathlib.Path(out_dir) / "runs" / ".xla-cache")
   rows = []
-  with common.progress(len(spec.variants), "passkey") as bar:
-    for v in spec.variants:
-      bar.set_postfix_str(v)
-      config, name = spec.config(v), root / v.replace(":", "_").replace("=", "-").replace(",", "_")
+  with common.progress(len(spec.variants) * len(spec.seeds), "passkey") as bar:
+    for v, seed in ((v, seed) for v in spec.variants for seed in spec.seeds):
+      bar.set_postfix_str(f"{v} seed {seed}")
+      config, name = spec.config(v, seed), root / v.replace(":", "_").replace("=", "-").replace(",", "_")
       workdir = common.run_dir(config, name)
       model = common.fit(config, name).model
       loss = common.last_logged(workdir, "loss")
       for length in spec.lengths:
         for depth in spec.depths:
-          rows.append(dict(variant=v, length=length, depth=depth, exact_match=exact_match(model, length, depth, spec),
-                           final_loss=loss))
+          rows.append(dict(variant=v, seed=seed, length=length, depth=depth,
+                           exact_match=exact_match(model, length, depth, spec, seed), final_loss=loss))
       bar.update()
   return rows
 
 
 def table(rows: list[dict], spec: Passkey) -> str:
-  header = ["variant"] + [f"L={length}" for length in spec.lengths] + ["all"]
+  many = len(spec.seeds) > 1
+  seeds = ", ".join(map(str, spec.seeds))
+  header = ["variant"] + [f"L={length}" for length in spec.lengths] + ["all"] + ([f"all, per seed ({seeds})"]
+                                                                                 if many else [])
   body = []
   for v in spec.variants:
     mine = [r for r in rows if r["variant"] == v]
+    if not mine:
+      continue
     per_length = [np.mean([r["exact_match"] for r in mine if r["length"] == length]) for length in spec.lengths]
-    body.append([v] + [f"{100 * x:.0f}" for x in per_length] + [f"{100 * np.mean(per_length):.0f}"])
+    per_seed = [np.mean([r["exact_match"] for r in mine if r["seed"] == seed]) for seed in spec.seeds]
+    body.append([v] + [f"{100 * x:.0f}" for x in per_length] + [f"{100 * np.mean(per_length):.0f}"]
+                + ([" / ".join(f"{100 * x:.0f}" for x in per_seed)] if many else []))
   depths = ", ".join(f"{d:g}" for d in spec.depths)
   note = (f"\nExact match (%) of the {spec.digits}-digit key over {spec.test_examples} haystacks per cell, averaged "
-          f"over needle depths {{{depths}}}; trained on {spec.train_length}-byte rows for {spec.steps} steps of "
-          f"{spec.batch_size} rows (lr {spec.lr:g}), model size `{spec.size}`, seed {spec.seed}. Per-depth figures "
-          "are in passkey.json and the plot.\n")
+          f"over needle depths {{{depths}}}{' and the seeds' if many else ''}; trained on {spec.train_length}-byte "
+          f"rows for {spec.steps} steps of {spec.batch_size} rows (lr {spec.lr:g}), model size `{spec.size}`, "
+          f"seed{'s' if many else ''} {seeds}. Per-depth figures are in passkey.json and the plot.\n")
   return common.markdown_table(header, body) + note
 
 
@@ -117,8 +129,8 @@ def plot(rows: list[dict], spec: Passkey):
   for ax in axes.flat[n:]:
     ax.axis("off")
   for ax, v in zip(axes.flat, spec.variants):
-    grid = np.array([[100 * next(r["exact_match"] for r in rows if (r["variant"], r["length"], r["depth"]) ==
-                                 (v, length, d)) for length in spec.lengths] for d in spec.depths])
+    grid = np.array([[100 * np.mean([r["exact_match"] for r in rows if (r["variant"], r["length"], r["depth"]) ==
+                                     (v, length, d)]) for length in spec.lengths] for d in spec.depths])
     ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
     for (i, j), a in np.ndenumerate(grid):
       ax.text(j, i, f"{a:.0f}", ha="center", va="center", color="w" if a < 60 else "k", fontsize=8)
@@ -144,10 +156,12 @@ def main(argv):
   else:
     spec = Passkey(variants=tuple(f.variants), train_length=f.train_length, lengths=tuple(map(int, f.lengths)),
                    depths=tuple(map(float, f.depths)), steps=f.steps, batch_size=f.batch_size, lr=f.lr,
-                   size=f.size, test_examples=f.test_examples, seed=f.seed, implementation=f.implementation)
+                   size=f.size, test_examples=f.test_examples, seeds=tuple(map(int, f.seeds)),
+                   implementation=f.implementation)
   provenance = None
-  if f.merge:   # parts of one comparison run in parallel (e.g. a process per variant): one report
-    spec, rows, provenance = common.merge_parts(f.merge, Passkey)
+  if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
+    spec, rows, provenance = common.merge_parts(f.merge, Passkey, upgrade=common.seed_to_seeds)
+    spec, rows = common.with_seeds(spec, rows)
   else:
     rows = run(spec, f.out)
   text = table(rows, spec)
@@ -170,7 +184,7 @@ if __name__ == "__main__":
   flags.DEFINE_float("lr", d.lr, "peak learning rate")
   flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
   flags.DEFINE_integer("test_examples", d.test_examples, "haystacks per (length, depth)")
-  flags.DEFINE_integer("seed", d.seed, "initialisation and data seed")
+  flags.DEFINE_list("seeds", list(map(str, d.seeds)), "initialisation, data and test seeds (a run each)")
   flags.DEFINE_enum("implementation", d.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from experiments import common, lm, mqar
+from experiments import common, lm, mqar, passkey
 from osdn_jax import dgps, testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -208,3 +208,15 @@ def test_lm_merges_a_one_seed_file_with_other_seeds(tmp_path, compilation_cache)
   payload = json.loads((out / "lm.json").read_text())
   assert "--seeds=0,1" in payload["command"]
   assert "| dn | 2.5000 | 1.0000 | 2.0000 / 3.0000 |" in (out / "lm.md").read_text()
+
+
+def test_passkey_reports_the_mean_over_seeds_and_each_seeds_score():
+  """Per variant and length: the mean over depths and seeds; with several seeds, each seed's overall score."""
+  spec = passkey.Passkey(**dict(passkey.SMOKE, variants=("gdn", "pgdn"), lengths=(200,), depths=(0.0, 1.0),
+                                seeds=(0, 1)))
+  hits = {("gdn", 0): (1.0, 1.0), ("gdn", 1): (0.5, 1.0), ("pgdn", 0): (0.0, 0.0), ("pgdn", 1): (1.0, 0.5)}
+  rows = [dict(variant=v, seed=s, length=200, depth=d, exact_match=x, final_loss=0.1)
+          for (v, s), xs in hits.items() for d, x in zip((0.0, 1.0), xs)]
+  text = passkey.table(rows, spec)
+  assert "| gdn | 88 | 88 | 100 / 75 |" in text and "| pgdn | 38 | 38 | 0 / 75 |" in text
+  assert "seeds 0, 1" in text
