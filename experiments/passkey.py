@@ -111,9 +111,9 @@ def table(rows: list[dict], spec: Passkey) -> str:
     if not mine:
       continue
     per_length = [np.mean([r["exact_match"] for r in mine if r["length"] == length]) for length in spec.lengths]
-    per_seed = [np.mean([r["exact_match"] for r in mine if r["seed"] == seed]) for seed in spec.seeds]
+    per_seed = [[r["exact_match"] for r in mine if r["seed"] == seed] for seed in spec.seeds]
     body.append([v] + [f"{100 * x:.0f}" for x in per_length] + [f"{100 * np.mean(per_length):.0f}"]
-                + ([" / ".join(f"{100 * x:.0f}" for x in per_seed)] if many else []))
+                + ([" / ".join(f"{100 * np.mean(x):.0f}" if x else "–" for x in per_seed)] if many else []))
   depths = ", ".join(f"{d:g}" for d in spec.depths)
   note = (f"\nExact match (%) of the {spec.digits}-digit key over {spec.test_examples} haystacks per cell, averaged "
           f"over needle depths {{{depths}}}{' and the seeds' if many else ''}; trained on {spec.train_length}-byte "

@@ -217,6 +217,7 @@ def test_passkey_reports_the_mean_over_seeds_and_each_seeds_score():
   hits = {("gdn", 0): (1.0, 1.0), ("gdn", 1): (0.5, 1.0), ("pgdn", 0): (0.0, 0.0), ("pgdn", 1): (1.0, 0.5)}
   rows = [dict(variant=v, seed=s, length=200, depth=d, exact_match=x, final_loss=0.1)
           for (v, s), xs in hits.items() for d, x in zip((0.0, 1.0), xs)]
-  text = passkey.table(rows, spec)
+  text = passkey.table(rows + [dict(rows[0], variant="pdn", seed=1)], dataclasses.replace(spec, variants=(
+      "gdn", "pgdn", "pdn")))
   assert "| gdn | 88 | 88 | 100 / 75 |" in text and "| pgdn | 38 | 38 | 0 / 75 |" in text
-  assert "seeds 0, 1" in text
+  assert "| pdn | 100 | 100 | – / 100 |" in text and "seeds 0, 1" in text     # a variant run at one seed only

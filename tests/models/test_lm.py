@@ -165,6 +165,28 @@ def test_unrolled_layers_equal_the_scan():
   assert loops(graph_u) < loops(graph_s)
 
 
+def test_pgdn_with_a_unit_key_scale_is_gdn():
+  """PDN's key scale lies in [1/x, x], so at x = 1 the write key is the key: PGDN is then GDN plus parameters that
+  change nothing (its preconditioner's gates and center). With GDN's parameters copied from it, the logits and the
+  gradients of the shared parameters are GDN's (to fp32 rounding: PGDN's solve takes its write key as a second
+  key), and the extra parameters' gradients are exactly 0."""
+  pgdn, gdn = _tiny("pgdn", point_options={"x": 1.0}), models.build("gdn-tiny", rngs=nnx.Rngs(1))
+  p_state = dict(nnx.to_flat_state(nnx.state(pgdn, nnx.Param)))
+  g_state = dict(nnx.to_flat_state(nnx.state(gdn, nnx.Param)))
+  assert set(g_state) < set(p_state)
+  for path, var in g_state.items():
+    var.set_value(p_state[path].get_value())
+  nnx.update(gdn, nnx.from_flat_state(g_state))
+  assert rel_rms(pgdn(TOKENS), gdn(TOKENS)) < 1e-6
+  grads = lambda model: dict(nnx.to_flat_state(nnx.grad(_loss)(model, TOKENS)))
+  p_grads, g_grads = grads(pgdn), grads(gdn)
+  for path, g in p_grads.items():
+    if path in g_grads:
+      assert rel_rms(g.get_value(), g_grads[path].get_value()) < 1e-5, path
+    else:
+      assert not np.any(np.asarray(g.get_value())), path
+
+
 @pytest.mark.parametrize("overrides,field", [
     (dict(num_heads=3), "`num_heads`"),
     (dict(num_value_heads=3), "`num_value_heads`"),
