@@ -10,6 +10,9 @@ EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
 # The input formats and tokenizers of `python -m osdn_jax.data.prepare` beyond .txt/.jsonl/.jsonl.gz, bytes, BPE
 # and tokenizer.json: .jsonl.zst, .parquet, sentencepiece .model. Not in "all" (pyarrow is large).
 EXTRAS["corpora"] = ["zstandard", "pyarrow", "sentencepiece"]
+# lm-evaluation-harness, for `osdn_jax.harness.lm_class` (the adapter itself needs none of it). Not in "all": it
+# brings datasets and its stack.
+EXTRAS["eval"] = ["lm_eval"]
 # libtpu at the version the installed jax pins, for compiling TPU programs on a Linux x86-64 host without a TPU
 # (osdn_jax.train.aot; its wheels exist for that platform only). Not in "all": with libtpu installed, JAX probes
 # for a TPU at start-up on every machine whose JAX_PLATFORMS does not rule it out.
