@@ -160,7 +160,7 @@ def lm_class():
   class OSDN(LM):
     def __init__(self, workdir, step=None, batch_size=8, max_length=None, **unused):
       super().__init__()
-      number = lambda x: None if x in (None, "", "None") else int(x)
+      number = lambda x: None if x in (None, "", "None", "auto") else int(x)     # lm_eval's "auto": the default
       self.run = RunLM.from_workdir(workdir, step=number(step), max_length=number(max_length),
                                     batch_size=number(batch_size) or 8)
 
