@@ -207,13 +207,18 @@ def merge_parts(paths, spec_type, upgrade=None):
   """(settings, rows, provenance) of the result files of parts of one comparison (e.g. one process per variant):
   the settings are the first part's (a `spec_type` dataclass; `upgrade` maps the fields a file holds to the
   current ones) with the union of the parts' variants, the rows all parts' rows, the provenance (device, jax,
-  date) the first part's."""
+  date) the first part's. Settings with `seeds`: a row without a seed is its own file's first seed, and the
+  merged `seeds` are the rows' seeds."""
   payloads = read_results(paths)
-  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in payloads[0]["spec"].items()}
+  fields = [{k: tuple(v) if isinstance(v, list) else v for k, v in p["spec"].items()} for p in payloads]
   if upgrade is not None:
-    fields = upgrade(fields)
-  spec = spec_type(**dict(fields, variants=union(p["spec"]["variants"] for p in payloads)))
-  return spec, [r for p in payloads for r in p["rows"]], payloads[0]
+    fields = [upgrade(f) for f in fields]
+  rows = [r for p in payloads for r in p["rows"]]
+  merged = dict(fields[0], variants=union(p["spec"]["variants"] for p in payloads))
+  if "seeds" in merged:
+    rows = [dict(r, seed=r.get("seed", f["seeds"][0])) for p, f in zip(payloads, fields) for r in p["rows"]]
+    merged["seeds"] = tuple(sorted({r["seed"] for r in rows}))
+  return spec_type(**merged), rows, payloads[0]
 
 
 def seed_to_seeds(fields: dict) -> dict:
@@ -221,13 +226,6 @@ def seed_to_seeds(fields: dict) -> dict:
   if "seed" in fields:
     fields = dict(fields, seeds=(fields.pop("seed"),))
   return fields
-
-
-def with_seeds(spec, rows: list[dict]):
-  """(spec with `seeds` the seeds of `rows`, rows): rows without a seed (files written with one) are the first
-  seed of spec's."""
-  rows = [dict(r, seed=r.get("seed", spec.seeds[0])) for r in rows]
-  return dataclasses.replace(spec, seeds=tuple(sorted({r["seed"] for r in rows}))), rows
 
 
 def union(lists) -> tuple:

@@ -76,7 +76,7 @@ def run(spec: LM, out_dir) -> list[dict]:
   with common.progress(len(spec.variants) * len(spec.seeds), "lm") as bar:
     for v, seed in ((v, seed) for v in spec.variants for seed in spec.seeds):
       bar.set_postfix_str(f"{v} seed {seed}")
-      workdir = root / (v.replace(":", "_").replace("=", "-").replace(",", "_") + f"-seed{seed}")
+      workdir = root / v.replace(":", "_").replace("=", "-").replace(",", "_")     # run_dir: one per seed
       config = spec.config(v, seed)
       common.fit(config, workdir)
       logged = read_metrics(common.run_dir(config, workdir))   # also a finished run's, reused
@@ -166,7 +166,6 @@ def main(argv):
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, LM, upgrade=common.seed_to_seeds)
-    spec, rows = common.with_seeds(spec, rows)
   else:
     rows = run(spec, f.out)
   text = table(rows, spec)

@@ -161,7 +161,6 @@ def main(argv):
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, Passkey, upgrade=common.seed_to_seeds)
-    spec, rows = common.with_seeds(spec, rows)
   else:
     rows = run(spec, f.out)
   text = table(rows, spec)

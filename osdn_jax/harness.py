@@ -15,8 +15,9 @@ lm_eval `Instance` or the tuple of its `args`):
                          last window's cache: no token loses its left context);
   generate_until         (context, {"until": [...], "max_gen_toks": n}) → the greedy continuation
                          (`models.generate`), cut before the first stop string or EOS; sampling is refused.
-Loglikelihood requests of one batch are padded on the right to a multiple of 64 tokens (a padding token after a
-sequence changes none of its logits: the mixers are causal), so few shapes compile. `lm_class()` is the same
+Loglikelihood requests of one batch, and the last window of a rolling one, are padded on the right to a multiple
+of 64 tokens (a padding token after a sequence changes none of its logits: the mixers are causal), so few shapes
+compile. `lm_class()` is the same
 behind lm_eval's `LM` base class, registered under the name "osdn".
 """
 from __future__ import annotations
@@ -120,9 +121,14 @@ class RunLM:
       total, cache = 0.0, None
       for start in range(0, len(ids) - 1, self.max_length):
         window = ids[start:start + self.max_length + 1]
-        logits, cache = models.prefill(self.model, jnp.asarray([window[:-1]], jnp.int32), cache=cache)
-        logp = jax.nn.log_softmax(jnp.asarray(logits[0], jnp.float32), axis=-1)
-        total += float(np.sum(np.asarray(logp)[np.arange(len(window) - 1), window[1:]], dtype=np.float64))
+        n = len(window) - 1
+        if start + self.max_length + 1 < len(ids):
+          inputs = window[:-1]
+        else:     # the last window, padded on the right (its cache is not used again): few shapes compile
+          inputs = window[:-1] + [self.tokenizer.eos_id] * (-(-n // _BUCKET) * _BUCKET - n)
+        logits, cache = models.prefill(self.model, jnp.asarray([inputs], jnp.int32), cache=cache)
+        logp = jax.nn.log_softmax(jnp.asarray(logits[0, :n], jnp.float32), axis=-1)
+        total += float(np.sum(np.asarray(logp)[np.arange(n), window[1:]], dtype=np.float64))
       out.append(total)
     return out
 

@@ -203,11 +203,12 @@ def test_lm_merges_a_one_seed_file_with_other_seeds(tmp_path, compilation_cache)
   new.mkdir()
   common.write_results(new, "lm", {"spec": dict(settings, seeds=[1]), "rows": [_lm_row("dn", 1, 3.0, [(1, 4.0)])]},
                        "", provenance=dict(device="cpu", jax="0.10.2", date="2026-12-04"))
-  out = tmp_path / "merged"
-  _run("lm", out, compilation_cache, f"--merge={old / 'lm.json'},{new / 'lm.json'}")
-  payload = json.loads((out / "lm.json").read_text())
-  assert "--seeds=0,1" in payload["command"]
-  assert "| dn | 2.5000 | 1.0000 | 2.0000 / 3.0000 |" in (out / "lm.md").read_text()
+  for name, parts in (("merged", (old, new)), ("reversed", (new, old))):     # each file's rows keep its own seed
+    out = tmp_path / name
+    _run("lm", out, compilation_cache, "--merge=" + ",".join(str(p / "lm.json") for p in parts))
+    payload = json.loads((out / "lm.json").read_text())
+    assert "--seeds=0,1" in payload["command"]
+    assert "| dn | 2.5000 | 1.0000 | 2.0000 / 3.0000 |" in (out / "lm.md").read_text()
 
 
 def test_passkey_reports_the_mean_over_seeds_and_each_seeds_score():
