@@ -7,6 +7,7 @@ from pallas_kernels.gpu import common
 from pallas_kernels.spec import is_pow2
 
 TABLES = ("kernel", "xla", "auto")
+DOTS = ("ieee", "tf32x3", "tf32")        # `chunk_math.fp32_dots`: how a compiled kernel's fp32 dots run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Config:
   chain: bool = True              # block solves as a d / λ chain plus parallel kernels; serial again where a clip acts
   spans: int = 0                  # blocks per span of the d / λ chains, the spans run in parallel (0: one chain)
   warps_spans: int = 8            # warps of the span maps' and the across-spans kernels ([K, K] maps)
+  dots_tables: str = "ieee"       # fp32 dots of the tables' kernels (Gram blocks U Uᵀ, the backward's G Uᵀ)
+  dots_expand: str = "tf32x3"     # fp32 dots of the expansion ((Γ diag(coef)) U per block)
 
   def __post_init__(self):
     for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables", "warps_spans"):
@@ -38,6 +41,9 @@ class Config:
         raise ValueError(f"Config.{name}={v} must be 0 or a power of two ≥ 16")
     if not isinstance(self.spans, int) or self.spans < 0:
       raise ValueError(f"Config.spans={self.spans!r} must be an int ≥ 0")
+    for name in ("dots_tables", "dots_expand"):
+      if getattr(self, name) not in DOTS:
+        raise ValueError(f"Config.{name}={getattr(self, name)!r} must be one of {DOTS}")
     if self.tables not in TABLES:
       raise ValueError(f"Config.tables={self.tables!r} must be one of {TABLES}")
 

@@ -194,6 +194,7 @@ def _chained(st, u, n, beta, r, d1, o, tabs):
       functools.partial(_expand_kernel, st), grid=(b, g, nb), in_specs=in_specs,
       out_specs=[spec["rows"], spec["flags"], spec["flags"]], out_shape=[f32(b, t, g, k), flags, flags],
       interpret=st.interpret, num_warps=st.config.warps_solve, num_stages=1, name="osdn_d_pass_fwd_expand",
+      fp32_dots=st.config.dots_expand,
       input_output_aliases={len(args) - 1: 0})(*args)
   return ds, d_last, smooth, ok, d_blocks
 

@@ -249,7 +249,7 @@ def _call(st, backward: bool, shared: bool, u, n, beta, r, extra):
   return pallas_call(
       functools.partial(_tables_kernel, st, backward, shared), grid=grid, in_specs=in_specs,
       out_specs=[square, vec] + [square] * (n_sq - 1), out_shape=[sq, v] + [sq] * (n_sq - 1),
-      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots="ieee",
+      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots=st.config.dots_tables,
       name="osdn_d_pass_bwd_tables" if backward else "osdn_d_pass_fwd_tables")(*args)
 
 
@@ -261,7 +261,7 @@ def _rhs_call(st, u, r, g_ds, inv_b):
       functools.partial(_rhs_kernel, st), grid=grid,
       in_specs=[rows, rows] + ([scal] if st.has_r else []) + [square],
       out_specs=[vec] + ([square] if st.has_r else []), out_shape=[v] + ([sq] if st.has_r else []),
-      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots="ieee",
+      interpret=st.interpret, num_warps=st.config.warps_tables, num_stages=1, fp32_dots=st.config.dots_tables,
       name="osdn_d_pass_bwd_rhs")(*([u, g_ds] + ([r] if st.has_r else []) + [inv_b]))
   return (outs[1] if st.has_r else inv_b), outs[0]
 

@@ -359,6 +359,8 @@ def test_spanned_packed_and_config():
   _assert_close(got, want, ("u", "n", "beta", "r", "d1"))
   with pytest.raises(ValueError, match="spans"):
     osdn.Config(spans=-1)
+  with pytest.raises(ValueError, match="dots_tables"):
+    osdn.Config(dots_tables="bf16")
 
 
 @pytest.mark.parametrize("mode,L", [("none", 32), ("zero", 16), ("init", 32)])
@@ -535,11 +537,11 @@ def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
 def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
   """The split backward: the λ-only sequential kernel and the parallel block-gradient kernel (with its in-place
   updated outputs) and the backward's own table kernel (kernel tables, not shared) lower to verified Triton
-  IR."""
+  IR, with one-pass TF32 dots in the tables' kernels and the expansion."""
   verified = triton_lowering
   b, t, g, kd = 2, 100, 4, 128
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
-  config = osdn.Config(solve_t_apf=32, tables="kernel", share_inverse=False)
+  config = osdn.Config(solve_t_apf=32, tables="kernel", share_inverse=False, dots_tables="tf32", dots_expand="tf32")
 
   def loss(u, n, beta, r, d1, d0):
     ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
