@@ -553,6 +553,11 @@ def test_split_backward_lowers_to_triton(triton_lowering, capsys, learned_r):
       lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_bwd(" in ir and "@osdn_d_pass_bwd_blocks(" in ir and "@osdn_d_pass_bwd_tables(" in ir
+  for name in ("osdn_d_pass_fwd_tables", "osdn_d_pass_bwd_tables", "osdn_d_pass_fwd_expand"):
+    start = ir.index(f"@{name}(")
+    end = ir.find("tt.func", start + 1)
+    body = ir[start:end if end > 0 else None]
+    assert 0 < body.count("tt.dot") == body.count("inputPrecision = tf32"), name    # every dot one-pass TF32
   assert all(verified), verified
 
 
