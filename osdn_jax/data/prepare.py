@@ -600,7 +600,7 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
   all_bytes = hashlib.sha256()
   inputs_json = []
   encoder_args = (desc, dtype, vocab_size, text_field)
-  pool = None
+  pool = thread = None
   if desc["kind"] == "bytes":
     workers = 1       # encoding UTF-8 costs less than sending the records to a worker and the ids back
   if workers > 1:
@@ -613,13 +613,23 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
     context.set_forkserver_preload([tokens_lib.__name__, "tokenizers"])
     pool = context.Pool(workers, module._init_worker, encoder_args)
     encode = lambda chunk: pool.apply_async(module._work, ((chunk.kind, chunk.items),))
-  else:
+  elif desc["kind"] == "bytes":
     local = _Encoder(*encoder_args)
     encode = lambda chunk: local(chunk.kind, chunk.items)
+  else:
+    # A thread tokenizes (the library and numpy release the GIL) while this one reads, hashes and writes.
+    import concurrent.futures
+    local = _Encoder(*encoder_args)
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    encode = lambda chunk: thread.submit(local, chunk.kind, chunk.items)
   pending = collections.deque()       # (chunk, its first record's index, forced split, result), in input order
 
   def write(chunk, index, split, result):
-    ids, lengths, reasons, text_bytes = result if pool is None else result.get()
+    if pool is not None:
+      result = result.get()
+    elif thread is not None:
+      result = result.result()
+    ids, lengths, reasons, text_bytes = result
     for i, reason in enumerate(reasons):
       if reason is not None:
         skips.add(reason, _where(chunk, i))
@@ -658,6 +668,8 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
     if pool is not None:
       pool.close() if ok else pool.terminate()
       pool.join()
+    if thread is not None:
+      thread.shutdown(cancel_futures=True)
 
   splits = {name: w.finish() for name, w in writers.items()}
   settings_sha256 = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()

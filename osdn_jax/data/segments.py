@@ -43,10 +43,11 @@ _CUT = _CUT.reshape(-1)
 # The UTF-8 of the whitespace wider than ASCII, as (first byte << 16 | second << 8 | third) (2 bytes: third 0).
 _WIDE_SPACES = np.array(sorted(int.from_bytes(c.encode().ljust(3, b"\0"), "big")
                                for c in map(chr, range(0x80, 0x3001)) if re.fullmatch(f"[{WHITESPACE}]", c)), np.int64)
-_BASE = 0x9E3779B97F4A7C15                         # odd, so a unit mod 2**64: the polynomial hash's base...
-_BASE_INVERSE = pow(_BASE, -1, 1 << 64)
-_LENGTH = np.uint64(0xD6E8FEB86659FD93)            # ...and the weight of a segment's length in its key
-_JOINED = 1024                                     # new segments joined into one text to encode
+_PACKED = 7                                        # segments of up to this many bytes are their own keys
+_MASKS = np.array([(1 << 8 * k) - 1 for k in range(9)], np.uint64)     # the low k bytes of a word
+_BASE = 0x9E3779B97F4A7C15                         # odd: the multiplier of the hash of longer segments...
+_LENGTH = np.uint64(0xD6E8FEB86659FD93)            # ...and the weight of a segment's length in it
+_JOINED = 256                                      # new segments joined into one text to encode
 
 
 def applies(tokenizer) -> bool:
@@ -88,16 +89,6 @@ def _joiner(tokenizer) -> tuple[tuple | None, np.ndarray]:
       joiner.encode_special_tokens = False
       return (joiner, i, text), special_ids
   return None, special_ids
-
-
-def _powers(base: int, n: int) -> np.ndarray:
-  """uint64 [n]: base**i mod 2**64."""
-  out = np.ones(n, np.uint64)
-  k, step = 1, base
-  while k < n:
-    out[k:2 * k] = out[:min(k, n - k)] * np.uint64(step)
-    k, step = 2 * k, step * step % (1 << 64)
-  return out
 
 
 def cuts(data: bytes, starts: np.ndarray) -> np.ndarray:
@@ -163,14 +154,13 @@ class SegmentCache:
   """Texts → token ids through a `tokenizers.Tokenizer` for which `applies` holds, each distinct segment encoded
   once (new ones by `encode_batch`, once per call) and its ids kept: segments of up to max_bytes bytes (UTF-8),
   until the cache holds max_segments of them or max_ids ids, when it starts afresh. A segment is looked up by a
-  hash of its bytes, which are then compared with the kept ones, so the ids never depend on what it holds."""
+  key: a segment of up to 7 bytes is its own key; a longer one's is a hash of its bytes, which are then compared
+  with the kept ones. So the ids never depend on what it holds."""
 
   def __init__(self, tokenizer, max_segments: int = 1 << 19, max_bytes: int = 64, max_ids: int = 1 << 23,
                window: int = 1 << 20):
     self.tokenizer, self.max_segments, self.max_bytes, self.max_ids = tokenizer, max_segments, max_bytes, max_ids
-    self._window = window                          # bytes hashed at a time (the powers' memory: 16 bytes each)
-    self._powers = _powers(_BASE, window + max_bytes + 1)
-    self._inverse_powers = _powers(_BASE_INVERSE, window)
+    self._window = window                          # bytes looked up at a time (what bounds _find's memory)
     self._joiner, self._special_ids = _joiner(tokenizer)
     self._clear()
 
@@ -201,7 +191,7 @@ class SegmentCache:
       if block.size:
         slots[block] = self._find(data, b, starts[block], ends[block])
     kept = self._used
-    others = np.flatnonzero(slots < 0)             # too long to keep, or a hash collision: encoded for this call
+    others = np.flatnonzero(slots < 0)             # too long to keep, or another's key: encoded for this call
     if others.size:
       slots[others] = self._append(data, starts[others], ends[others])
     lengths = self._id_length[slots]
@@ -216,7 +206,7 @@ class SegmentCache:
   def _find(self, data: bytes, b: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """int64 [segments]: the slots of segments of at most max_bytes bytes starting within `window` bytes of the
     first, new ones (kept while the table has room) for those the cache lacks; −1 where another segment of the
-    same hash holds the slot."""
+    same key holds the slot."""
     keys = self._keys(b, starts, ends)
     slots = self._table.find(keys)
     missing = np.flatnonzero(slots < 0)
@@ -227,25 +217,43 @@ class SegmentCache:
         self._table.insert(unique, new)
       slots[missing] = new[inverse]
     lengths = ends - starts
-    total = np.cumsum(lengths)
-    if total[-1] == ends[-1] - starts[0]:          # the segments' bytes in b: often all of them, in a row
-      within = np.arange(starts[0], ends[-1])
-    else:
-      within = np.repeat(starts - total + lengths, lengths) + np.arange(total[-1])
-    held = np.repeat(self._byte_start[slots] - starts, lengths) + within           # the slots' bytes
-    wrong = self._byte_length[slots] != lengths
-    wrong[np.searchsorted(total, np.flatnonzero(self._bytes[held] != b[within]), "right")] = True
+    wrong = self._byte_length[slots] != lengths    # a short segment's key is its bytes: its length tells the rest
+    long = np.flatnonzero(lengths > _PACKED)
+    if long.size:                                  # a long one's is a hash: its bytes are compared
+      sizes = lengths[long]
+      total = np.cumsum(sizes)
+      offsets = np.arange(total[-1]) - np.repeat(total - sizes, sizes)
+      differ = self._bytes[np.repeat(self._byte_start[slots[long]], sizes) + offsets] != b[
+          np.repeat(starts[long], sizes) + offsets]
+      wrong[long[np.searchsorted(total, np.flatnonzero(differ), "right")]] = True
     slots[wrong] = -1
     return slots
 
   def _keys(self, b: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """uint64 [segments]: Σ_j b[start + j]·BASE**j + length·_LENGTH mod 2**64 (not 0), for segments of at most
-    max_bytes bytes starting within `window` bytes of the first."""
-    origin = int(starts[0])
-    sums = np.zeros(int(ends[-1]) - origin + 1, np.uint64)
-    np.cumsum(b[origin:ends[-1]] * self._powers[:len(sums) - 1], out=sums[1:])
-    keys = (sums[ends - origin] - sums[starts - origin]) * self._inverse_powers[starts - origin]
-    keys += (ends - starts).astype(np.uint64) * _LENGTH
+    """uint64 [segments] (never 0): a segment of up to _PACKED bytes is its bytes (little-endian) with its length
+    in the top byte, exact; a longer one a hash of its 8-byte words and length (`_hash`)."""
+    lengths = ends - starts
+    size = int(ends[-1] - starts[0]) + self.max_bytes + 8
+    padded = np.zeros(size + (-size) % 8, np.uint8)
+    padded[:ends[-1] - starts[0]] = b[starts[0]:ends[-1]]
+    words = np.lib.stride_tricks.as_strided(padded.view("<u8"), (size - 7,), (1,))   # the 8 bytes from each
+    keys = words[starts - starts[0]] & _MASKS[np.minimum(lengths, 8)]
+    short = lengths <= _PACKED
+    keys[short] |= lengths[short].astype(np.uint64) << np.uint64(56)
+    long = np.flatnonzero(~short)
+    if long.size:
+      keys[long] = self._hash(words, starts[long] - starts[0], lengths[long])
+    return keys
+
+  @staticmethod
+  def _hash(words: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64 [segments] (never 0): of the bytes words[offset + 8i] holds (the segment's, zero past its end)
+    and its length, mixed word by word (multiply-xor): equal bytes give equal hashes, others rarely."""
+    keys = lengths.astype(np.uint64) * _LENGTH
+    for i in range(0, int(lengths.max()), 8):
+      more = np.flatnonzero(lengths > i)           # a segment's rounds: its words, whatever the others' lengths
+      mixed = (keys[more] ^ (words[offsets[more] + i] & _MASKS[np.minimum(lengths[more] - i, 8)])) * np.uint64(_BASE)
+      keys[more] = mixed ^ (mixed >> np.uint64(29))
     keys[keys == 0] = 1                            # 0 marks an empty place of the table
     return keys
 

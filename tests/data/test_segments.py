@@ -3,7 +3,8 @@
 Random texts over an alphabet that holds every whitespace character of Unicode and of Python, U+001C..U+001F
 (whitespace to Python, not to the tokenizer's regex), letters, marks, digits and other numbers, punctuation,
 contractions, emoji and the special token's text; a BPE trained on some of them; batches small enough, and a cache
-small enough, that segments are missed, found, too long to keep, and the cache starts afresh; hash collisions;
+small enough, that segments are missed, found, too long to keep, and the cache starts afresh; hash collisions
+(among long segments, and with a short one's key); each distinct segment kept once;
 new segments encoded joined by a special token; the cuts, against the module docstring's rules and against the
 regex's own pre-tokens."""
 import random
@@ -114,16 +115,35 @@ def test_cache_gives_the_tokenizers_ids(tokenizer, batch, settings):
   assert [g.tolist() for g in got] == _one_at_a_time(tokenizer, texts)
 
 
-def test_hash_collisions_are_found(tokenizer, monkeypatch):
-  """With keys of 3 values, nearly every lookup finds another segment's slot: the bytes tell them apart."""
-  keys = segments.SegmentCache._keys
-  monkeypatch.setattr(segments.SegmentCache, "_keys", lambda self, *a: keys(self, *a) % np.uint64(3) + np.uint64(1))
-  texts = _texts(4, 200)
+@pytest.mark.parametrize("collide", ["among_long", "with_short"])
+def test_hash_collisions_are_found(tokenizer, monkeypatch, collide):
+  """Segments longer than 7 bytes hashed to 3 values (nearly every lookup finds another long segment's slot, and
+  their bytes tell them apart), or all to the key of the short segment " the" (its length tells them apart)."""
+  hash_ = segments.SegmentCache._hash
+  the = np.frombuffer(b" the".ljust(8, b"\0"), "<u8")[0] | np.uint64(4 << 56)
+  fake = {"among_long": lambda *a: hash_(*a) % np.uint64(3) + np.uint64(1),
+          "with_short": lambda *a: np.full(len(a[1]), the, np.uint64)}[collide]
+  monkeypatch.setattr(segments.SegmentCache, "_hash", staticmethod(fake))
+  texts = [" understanding the" + t for t in _texts(4, 200)]       # a long segment met before " the"
   cache = segments.SegmentCache(tokenizer)
   ids, lengths = cache.encode(texts[:100])
   more, more_lengths = cache.encode(texts[100:])
   got = np.split(np.concatenate([ids, more]), np.cumsum(np.concatenate([lengths, more_lengths]))[:-1])
   assert [g.tolist() for g in got] == _one_at_a_time(tokenizer, texts)
+
+
+@pytest.mark.parametrize("window", [64, 1 << 20])
+def test_each_distinct_segment_is_kept_once(tokenizer, window):
+  """Whatever the batches and windows it is met in, a segment's key is the same: the cache keeps it once."""
+  texts = _texts(5, 300)
+  cache = segments.SegmentCache(tokenizer, window=window)
+  for i in range(0, len(texts), 7):
+    cache.encode(texts[i:i + 7])
+  distinct = {s.encode() for t in texts for s in _pieces(t) if len(s.encode()) <= cache.max_bytes}
+  kept = [bytes(cache._bytes[start:start + size]) for start, size in
+          zip(cache._byte_start[:cache._used[0]], cache._byte_length[:cache._used[0]])]
+  assert len(kept) == len(set(kept)) and set(kept) == distinct
+  assert sum(len(s) > 7 for s in distinct) > 50
 
 
 def test_new_segments_are_encoded_joined(tokenizer, monkeypatch):
