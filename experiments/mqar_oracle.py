@@ -4,7 +4,8 @@ trainer's experiments (`experiments.mqar`, `experiments.grid`) with nothing of t
 It builds the model with `osdn_jax.models.build`, draws rows from zoology's generator (`osdn_jax.data.MQARSource`,
 the training rows sampled with replacement), and trains with plain optax AdamW (weight decay 0.1 on every
 parameter, a 10 % linear warm-up then cosine to 0, no clipping) on the full logits' cross-entropy at the labelled
-positions. Accuracy is measured on test rows drawn with another seed, as the experiments draw them.
+positions. Accuracy is measured on test rows drawn with another seed, as the experiments draw them. `--reads=2`
+trains and tests on the read-twice rows (the kv block written twice before the queries), as `grid --reads=2` does.
 
   python -m experiments.mqar_oracle --variant=dn --length=256 --kv=64 --lr=3e-3 --steps=1500
 
@@ -71,8 +72,9 @@ def build(variant, vocab_size, size, implementation, dtype, seed):
 def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3, steps: int = 1500,
           batch_size: int = 64, seed: int = 0, vocab_size: int = 8192, size: str = "mqar",
           train_examples: int = 100_000, test_examples: int = 1000, implementation: str = "auto",
-          dtype: str = "float32", evals: int = 5, log=print) -> dict:
-  """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "steps_per_s"}."""
+          dtype: str = "float32", reads: int = 1, evals: int = 5, log=print) -> dict:
+  """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "steps_per_s"}. reads: times the
+  kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens)."""
   graph, params = build(variant, vocab_size, size, implementation, dtype, seed)
   tx = optimizer(lr, steps)
   opt_state = tx.init(params)
@@ -84,9 +86,10 @@ def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3
     scored = y != IGNORE
     return jnp.sum((predicted == y) & scored), jnp.sum(scored)
 
-  train_rows = MQARSource(vocab_size=vocab_size, length=length, num_pairs=kv, num_records=train_examples, seed=seed)
+  train_rows = MQARSource(vocab_size=vocab_size, length=length, num_pairs=kv, num_records=train_examples, seed=seed,
+                          context_reads=reads)
   test_rows = MQARSource(vocab_size=vocab_size, length=length, num_pairs=kv, num_records=test_examples,
-                         seed=seed + 1_000_003)
+                         seed=seed + 1_000_003, context_reads=reads)
   test_x, test_y = rows(test_rows, range(test_examples))
 
   def accuracy(params):
@@ -151,6 +154,7 @@ def define_flags():
   flags.DEFINE_integer("test_examples", 1000, "test rows")
   flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
+  flags.DEFINE_integer("reads", 1, "times the kv block is read before the queries (1 or 2)")
   flags.DEFINE_integer("follow", 0, "> 0: compare this many steps of the grid's path with this loop's (docstring)")
   flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"], "with --follow: the optimiser of both paths")
   flags.DEFINE_integer("workers", 0, "with --follow: processes drawing the grid's training rows")
@@ -163,7 +167,7 @@ def main(argv):
     from experiments import grid
     protocol = grid.Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
                              train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                             implementation=f.implementation, eval_every=f.steps)
+                             implementation=f.implementation, eval_every=f.steps, reads=f.reads)
     result = follow(protocol, grid.Cell(f.variant, f.length, f.kv, f.lr, f.seed), f.follow, f.optimizer,
                     workers=f.workers)
     at = [n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow]
@@ -172,7 +176,7 @@ def main(argv):
     return
   result = train(f.variant, f.length, f.kv, f.lr, f.steps, f.batch_size, f.seed,
                  f.vocab_size, f.size, f.train_examples, f.test_examples, implementation=f.implementation,
-                 dtype=f.dtype)
+                 dtype=f.dtype, reads=f.reads)
   print(json.dumps(result))
 
 

@@ -44,11 +44,13 @@ def test_cells_side_by_side_train_as_alone(tmp_path):
   assert both[0]["curve"][0]["loss"] != both[1]["curve"][0]["loss"]
 
 
-def test_the_grid_step_is_the_oracle_loops_step():
+@pytest.mark.parametrize("reads", [1, 2])
+def test_the_grid_step_is_the_oracle_loops_step(reads):
   """On the same rows in the same order and with one optimiser, the grid's vmapped trainer step and the oracle's
   plain loop lose the same, step after step: the trainer's path computes what a plain loop computes. With each
-  optimiser (the oracle's AdamW, the trainer's config), and the two optimisers do differ."""
-  protocol = dataclasses.replace(TINY, steps=20, eval_every=20, batch_size=8, train_examples=64)
+  optimiser (the oracle's AdamW, the trainer's config), and the two optimisers do differ; rows read once or
+  with the kv block read twice."""
+  protocol = dataclasses.replace(TINY, steps=20, eval_every=20, batch_size=8, train_examples=64, reads=reads)
   runs = {name: mqar_oracle.follow(protocol, grid.Cell("dn", 16, 2, 1e-2, 0), 10, name)
           for name in ("oracle", "trainer")}
   for run in runs.values():
