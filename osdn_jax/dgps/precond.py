@@ -232,7 +232,7 @@ def osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
 
 
 def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
-                implementation="auto", chunk_size=64):
+                implementation="auto", chunk_size=64, keys=None):
   """OSDN's d-pass: the write scale d_t of every token and d_{T+1}, from keys and gains only.
 
     d̄_{t+1} = keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t,   d_{t+1} = clip(d̄_{t+1}, d_min, d_max),
@@ -247,6 +247,8 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anc
   exact chunked form when unclipped and unpacked, else the scan), "pallas" (the kernel "osdn_d_pass"; η and
   the bounds static numbers) or "auto" (the chunked form when unclipped and unpacked, else the kernel on a GPU
   when it supports the call, else the scan).
+  keys: None, or the keys k [B, T, G, K] that u squares (u = k ⊙ k in u's dtype, fp32): the GPU kernel then reads
+  k in its own dtype and forms u where it loads it, so u is not stored (the other paths use u).
   """
   checks.apf_anchor_option("osdn_d_pass", apf_anchor)
   checks.d_pass("osdn_d_pass", eta=eta, d_min=d_min, d_max=d_max)
@@ -260,7 +262,7 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anc
     if kind == "pallas":
       ids = None if segment_ids is None else packing.segment_index(segment_ids)
       return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
-                    segment_ids=ids)
+                    segment_ids=ids, keys=keys)
   bounds = dict(eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor)
   if segment_ids is not None:
     return _osdn_serial_packed(u, n, beta, retention, d1, d_init, segment_ids=segment_ids, **bounds)
@@ -386,8 +388,10 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     # Traced ids and no initial_state: N is unknown, every segment starts from d_init, no final states.
     n_seg = num_segments(segment_ids, initial_state) or 1
   kx, beta, u, n, r, d0, d1 = osdn_inputs(k, beta, retention, d_init, initial_state, n_seg)
+  # The keys in their own dtype: a GPU kernel reads them and squares them itself, so u = k ⊙ k is not stored.
+  keys = _on_heads(k, beta.shape[2]) if u.dtype == jnp.float32 else None
   ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
-                           segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size)
+                           segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size, keys=keys)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
   # A key whose ‖k‖² is not finite (a NaN or inf in k, or a finite k whose square overflows) writes NaN: the guard's

@@ -21,7 +21,9 @@ and the segment's d_{T+1} is stored at its last; in reverse, λ restarts from th
 last token and ∂d1[segment] is stored at a first. Segments never span rows, so the (batch, head) programs write
 disjoint rows of the per-segment arrays.
 
-The guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout.
+Given the keys (`d_pass(keys=k)`, as `osdn_jax.dgps.precond.osdn_write_key` passes them), the kernels read k in
+its own dtype and form u = k ⊙ k in fp32 where they load it (`layout.u_of`), so u is never stored; k's cotangent
+is 2 k ⊙ ∂u. The guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout.
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ def _d_pass_bwd(st, res, cts):
   u, n, beta, r, codes, o, ds, smooth, saved = res
   g_ds, g_last = cts
   du, dn, dbeta, dr, dd1, do = backward.backward(st, u, n, beta, r, codes, o, ds, smooth, saved, g_ds, g_last)
+  if st.squared:                          # u holds the keys k: ∂k = 2 k ⊙ ∂u
+    du = (2.0 * u.astype(F32) * du).astype(u.dtype)
   return du, dn, dbeta, dr, None, dd1, do
 
 
@@ -88,15 +92,19 @@ def _segment_codes(segments, count: int):
 
 
 @functools.partial(jax.jit, static_argnames=("eta", "d_min", "d_max", "mode", "config", "interpret"))
-def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, config, interpret):
-  b, t, g, kd = u.shape
+def _run(u, n, beta, r, d1, d_init, segment_ids, keys, *, eta, d_min, d_max, mode, config, interpret):
+  if keys is not None and not config.read_keys:
+    u, keys = jnp.square(jnp.asarray(keys, F32)), None
+  squared = keys is not None
+  b, t, g, kd = (keys if squared else u).shape
   kp = padded_dim(kd)
   count = d1.shape[0] if segment_ids is not None else 0
   st = Static(batch=b, length=t, heads=g, key_dim=kp, channels=kd, eta=eta, d_min=d_min, d_max=d_max, mode=mode,
-              config=config, interpret=interpret, segments=count)
+              config=config, interpret=interpret, segments=count, squared=squared)
   f32 = lambda x: None if x is None else jnp.asarray(x, F32)
-  # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off.
-  u, d1 = pad_axis(f32(u), 3, kp), pad_axis(f32(d1), 2, kp)
+  # Padded channels have u = 0: they never reach ⟨d, u⟩, and their d is sliced off. With keys, the kernels read
+  # k in its own dtype and square it where they load it.
+  u, d1 = pad_axis(keys if squared else f32(u), 3, kp), pad_axis(f32(d1), 2, kp)
   o = pad_axis(jnp.broadcast_to(f32(d_init), (g, kd)), 1, kp) if mode == "init" else None
   codes, present = None, None
   if count:      # rows of segments without tokens are neither read nor written by the kernels: zeros
@@ -108,7 +116,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, eta, d_min, d_max, mode, con
   return ds[..., :kd], d_last[..., :kd]
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None, keys=None,
            config: Config | None = None, interpret: bool | None = None):
   """OSDN's sequential d-pass with the Pallas kernels (Triton on GPU, interpret mode on CPU).
 
@@ -120,13 +128,24 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   d_init (zero gradient through clipped entries). Packed: `segment_ids` [B, T] are segment numbers 0..N−1 in
   row-major order (`osdn_jax.ops.packing.segment_index`), d1 is [N, G, K], d restarts from d1[n] at segment
   n's first token, and the second result is each segment's last d [N, G, K] (zeros for segments without tokens).
+  keys: None, or the keys [B, T, G, K] (a float dtype) with u = k ⊙ k in fp32: the kernels then read k and form
+  u where they load it (u is never stored, and bf16 keys are read in half the bytes); `u` may be None, and the
+  first cotangent is k's.
   `interpret` defaults to True on a CPU backend; `config` to DEFAULT compiled and INTERPRET in interpret mode.
   """
-  if u.ndim != 4:
-    raise ValueError(f"osdn d_pass (pallas gpu): `u` must be [B, T, G, K], got shape {u.shape}")
-  b, t, g, kd = u.shape
+  if keys is not None:
+    if keys.ndim != 4 or not jnp.issubdtype(keys.dtype, jnp.floating):
+      raise ValueError(f"osdn d_pass (pallas gpu): `keys` must be a float [B, T, G, K] array, got "
+                       f"{keys.dtype} {keys.shape}")
+    if u is not None and u.shape != keys.shape:
+      raise ValueError(f"osdn d_pass (pallas gpu): `u` must have the keys' shape {keys.shape}, got {u.shape}")
+    u = None
+  elif u is None or u.ndim != 4:
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` must be [B, T, G, K], got "
+                     f"{None if u is None else u.shape}")
+  b, t, g, kd = (keys if keys is not None else u).shape
   if t < 1:
-    raise ValueError(f"osdn d_pass (pallas gpu): `u` needs T ≥ 1 tokens, got shape {u.shape}")
+    raise ValueError(f"osdn d_pass (pallas gpu): `u` needs T ≥ 1 tokens, got shape {(b, t, g, kd)}")
   if kd > MAX_KEY_DIM:
     raise ValueError(f"osdn d_pass (pallas gpu): K = {kd} must be ≤ {MAX_KEY_DIM}")
   for name, x in (("n", n), ("beta", beta), ("retention", retention)):
@@ -149,8 +168,8 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   interpret = default_interpret(interpret)
   config = config or (_CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT))
   mode = "none" if retention is None else apf_anchor
-  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, eta=eta, d_min=d_min, d_max=d_max,
-              mode=mode, config=config, interpret=interpret)
+  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, keys, eta=eta, d_min=d_min,
+              d_max=d_max, mode=mode, config=config, interpret=interpret)
 
 
 def supports(spec: Spec) -> bool:

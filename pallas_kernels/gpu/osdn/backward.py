@@ -51,7 +51,7 @@ def _kernel(st, chain_only: bool, *refs):
 
     def fetch(blk):
       rows = pl.ds(blk * Lb, Lb)
-      return (u_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
+      return (L.u_of(st, u_ref[rows, :]), gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
               tb_ref[blk, :, :], wb_ref[blk, :], gm_ref[blk, :, :] if st.has_r else None)
 
     def block(blk, x, carry):
@@ -109,7 +109,7 @@ def _span_kernel(st, *refs):
 
   def fetch(blk):
     rows = pl.ds(blk * Lb, Lb)
-    return (u_ref[rows, :], gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
+    return (L.u_of(st, u_ref[rows, :]), gds_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None,
             tb_ref[blk, :, :], wb_ref[blk, :], gm_ref[blk, :, :] if st.has_r else None)
 
   def block(blk, x, lam):
@@ -168,7 +168,7 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, o, ds_ref, gds_ref, gl_ref
   def load(t):
     code = L.decode(c_ref[t]) if packed else None
     g_last = gl_ref[code[0], :] if packed else None
-    return (u_ref[t, :], ds_ref[t, :], gds_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None,
+    return (L.u_of(st, u_ref[t, :]), ds_ref[t, :], gds_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None,
             code, g_last)
 
   def step(t, x, carry):
@@ -255,7 +255,7 @@ def _blocks_kernel(st, *refs):
        1, 1, 1, st.has_r, 1, 1, 1, st.has_r, st.has_o)
   ok = ok_ref[pl.program_id(2)] != 0
   du, db, dn, dr, d_o, _, _ = block_adjoint(
-      st, u_ref[...], ds_ref[...], g_ref[...], b_ref[...], n_ref[...], r_ref[...] if st.has_r else None,
+      st, L.u_of(st, u_ref[...]), ds_ref[...], g_ref[...], b_ref[...], n_ref[...], r_ref[...] if st.has_r else None,
       o_ref[...] if st.has_o else None, lam_ref[...], tb_ref[...], wb_ref[...],
       gm_ref[...] if st.has_r else None)
 

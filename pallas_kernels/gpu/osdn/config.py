@@ -28,6 +28,7 @@ class Config:
   warps_spans: int = 8            # warps of the span maps' and the across-spans kernels ([K, K] maps)
   dots_tables: str = "ieee"       # fp32 dots of the tables' kernels (Gram blocks U Uᵀ, the backward's G Uᵀ)
   dots_expand: str = "tf32x3"     # fp32 dots of the expansion ((Γ diag(coef)) U per block)
+  read_keys: bool = True          # given the keys, the kernels read k and square it on load (else u = k ⊙ k stored)
 
   def __post_init__(self):
     for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables", "warps_spans"):

@@ -57,7 +57,7 @@ def _kernel(st, restart: bool, *refs):
 
     def fetch(i):
       rows = pl.ds(i * Lb, Lb)
-      return (u_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
+      return (L.u_of(st, u_ref[rows, :]), b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
               wf_ref[i, :], gm_ref[i, :, :] if st.has_r else None)
 
     def block(i, x, d):
@@ -96,7 +96,7 @@ def _token_fns(st, u_ref, b_ref, n_ref, r_ref, c_ref, d1_ref, o, ds_ref, dl_ref)
   def load(t):
     code = L.decode(c_ref[t]) if packed else None
     d1 = d1_ref[code[0], :] if packed else None
-    return u_ref[t, :], b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, code, d1
+    return L.u_of(st, u_ref[t, :]), b_ref[t], n_ref[t], r_ref[t] if st.has_r else None, code, d1
 
   def step(t, x, d):
     u, b, n, r, code, d1 = x
@@ -132,7 +132,7 @@ def _chain_kernel(st, *refs):
 
   def fetch(i):
     rows = pl.ds(i * Lb, Lb)
-    return (u_ref[rows, :], b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
+    return (L.u_of(st, u_ref[rows, :]), b_ref[rows], n_ref[rows], r_ref[rows] if st.has_r else None, tf_ref[i, :, :],
             wf_ref[i, :])
 
   def block(i, x, d):
@@ -156,7 +156,7 @@ def _expand_kernel(st, *refs):
       refs, 1, 1, 1, st.has_r, st.has_o, 1, 1, st.has_r, 1, 1, 1, 1, 1)
   i = pl.program_id(2)
   D, _, ok, smooth = block_solve(
-      st, u_ref[...], b_ref[...], n_ref[...], r_ref[...] if st.has_r else None, o_ref[...] if st.has_o else None,
+      st, L.u_of(st, u_ref[...]), b_ref[...], n_ref[...], r_ref[...] if st.has_r else None, o_ref[...] if st.has_o else None,
       d_ref[...], tf_ref[...], wf_ref[...], gm_ref[...] if st.has_r else None)
   ds_ref[...] = D
   ok_ref[i] = ok.astype(jnp.int32)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.chunk_math import iota
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.osdn.config import Config
+
+F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Static:
   interpret: bool
   segments: int = 0        # packed: N (per-token codes reset d; d1 and d_{T+1} are per segment); 0: not
   channels: int = 0        # K before padding (0: key_dim); padded channels (u = 0, d = 0) skip the checks
+  squared: bool = False    # the u arrays hold the keys k (any float dtype) and u = k ⊙ k is formed on load (`u_of`)
 
   @property
   def has_r(self) -> bool:
@@ -74,6 +78,15 @@ class Static:
       return 0
     ns = -(-self.num_blocks // per)
     return ns if ns > 1 else 0
+
+
+def u_of(st, x):
+  """u = k ⊙ k in fp32 from what the u arrays hold: the keys k when `st.squared` (formed where loaded, so u is
+  never stored and k is read in its own dtype), else u itself."""
+  if st.squared:
+    x = x.astype(F32)
+    return x * x
+  return x
 
 
 # BlockSpecs over the grid (b, g): whole sequences of one (batch, head).

@@ -50,7 +50,7 @@ def _maps_kernel(st, backward: bool, *refs):
 
   def fetch(i):
     rows = pl.ds(i * Lb, Lb)
-    return (u_ref[rows, :], g_ref[rows, :] if backward else None, b_ref[rows], n_ref[rows],
+    return (L.u_of(st, u_ref[rows, :]), g_ref[rows, :] if backward else None, b_ref[rows], n_ref[rows],
             r_ref[rows] if st.has_r else None, t_ref[i, :, :], w_ref[i, :],
             gm_ref[i, :, :] if backward and st.has_r else None)
 

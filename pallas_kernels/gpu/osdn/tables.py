@@ -35,7 +35,7 @@ from pallas_kernels import osdn_math as om
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, masked_exp
 from pallas_kernels.gpu.common import pallas_call
 from pallas_kernels.gpu.intra import inverse_rows
-from pallas_kernels.gpu.osdn.layout import block_specs
+from pallas_kernels.gpu.osdn.layout import block_specs, u_of
 
 SUB = 16                                 # rows of the sub-blocks of the in-kernel inverse
 
@@ -60,7 +60,7 @@ def reference(st, u, n, beta, r, o):
   """(tf, wf, tb, (I + Mᵀ diag(c))⁻¹, Γ) for every block ([B, NB, G, L, L] and wf [B, NB, G, L]); r None: a ≡ 1
   (Γ is then the strict causal mask), o None: 0."""
   hi = lax.Precision.HIGHEST
-  U = blocks_view(st, u)
+  U = blocks_view(st, u_of(st, u))
   b, nn = blocks_view(st, beta), blocks_view(st, n)
   L = U.shape[-2]
   ar = jnp.arange(L)
@@ -94,7 +94,7 @@ def reference(st, u, n, beta, r, o):
 def adjoint_rhs_reference(st, u, g_ds, inv_b, gamma):
   """wb [B, NB, G, L] = (I + Mᵀ diag(c))⁻¹ (Γᵀ ⊙ U Gᵀ) 1."""
   hi = lax.Precision.HIGHEST
-  ug = jnp.einsum("...tk,...jk->...tj", blocks_view(st, u), blocks_view(st, g_ds), precision=hi)
+  ug = jnp.einsum("...tk,...jk->...tj", blocks_view(st, u_of(st, u)), blocks_view(st, g_ds), precision=hi)
   return jnp.einsum("...tj,...j->...t", inv_b, jnp.sum(jnp.swapaxes(gamma, -1, -2) * ug, axis=-1), precision=hi)
 
 
@@ -129,10 +129,11 @@ def _place(x, a: int, length: int):
 KC = 16                                  # columns per step of the K loop of `_row_products`
 
 
-def _row_products(pairs, s: int, kdim: int):
+def _row_products(pairs, s: int, kdim: int, keys=None):
   """[Σ_c x[a·s + i, c] y[m·s + j, c]]_ij [s, s] for each (x_ref, a, y_ref, m) in pairs (a list in their
   order): one fori_loop over K in chunks of KC columns, so only [s, KC] tiles are live. (A dot over all K at
-  once makes Triton's FMA dot hold whole K-rows per thread, which spills registers at K = 128.)"""
+  once makes Triton's FMA dot hold whole K-rows per thread, which spills registers at K = 128.) keys: the ref
+  whose tiles are keys, squared on load (`layout.u_of`), or None."""
   chunks = max(kdim // KC, 1)
   width = kdim // chunks
 
@@ -142,7 +143,8 @@ def _row_products(pairs, s: int, kdim: int):
 
     def tile(ref, a):
       if (id(ref), a) not in tiles:
-        tiles[id(ref), a] = ref[pl.ds(a * s, s), cols].astype(F32)
+        x = ref[pl.ds(a * s, s), cols].astype(F32)
+        tiles[id(ref), a] = x * x if ref is keys else x
       return tiles[id(ref), a]
     return tuple(x + dot(tile(xr, a), tile(yr, m), tb=True) for x, (xr, a, yr, m) in zip(acc, pairs))
   zeros = tuple(jnp.zeros((s, s), F32) for _ in pairs)
@@ -172,7 +174,8 @@ def _tables_kernel(st, backward: bool, shared: bool, *refs):
   pairs = list(gamma)                                                # (a, m), m ≤ a
   # The backward's ⟨u_t, g_j⟩ blocks (g rows m ≥ u rows a) share the K loop (one pass over u).
   prods = _row_products([(u_ref, a, u_ref, m) for a, m in pairs] +
-                        ([(g_ref, a, u_ref, m) for a, m in pairs] if backward else []), s, st.key_dim)
+                        ([(g_ref, a, u_ref, m) for a, m in pairs] if backward else []), s, st.key_dim,
+                        u_ref if st.squared else None)
   M = {am: x * gamma[am] for am, x in zip(pairs, prods)}
   gu = dict(zip(pairs, prods[len(pairs):]))                           # gu[m, a] = G_m U_aᵀ, m ≥ a
   A = {(a, m): (c[a][:, None] * x if backward else x * c[m][None, :]) for (a, m), x in M.items()}
@@ -187,7 +190,7 @@ def _tables_kernel(st, backward: bool, shared: bool, *refs):
     for a in range(nsub):
       x = sum(jnp.sum(M[a, m] * om.write_coef(st.eta, b[m], n[m])[None, :], axis=1) for m in range(a + 1))
       if has_o:
-        x = x + jnp.sum(u_ref[rows(a), :] * o_ref[...][None, :], axis=1)
+        x = x + jnp.sum(u_of(st, u_ref[rows(a), :]) * o_ref[...][None, :], axis=1)
       rhs.append(x)
     rhs = sum(_place(x, a, L) for a, x in enumerate(rhs))
     for a in range(nsub):
@@ -226,7 +229,8 @@ def _rhs_kernel(st, *refs):
   la = log_retention(r_ref[...]) if st.has_r else None
   pairs = [(a, m) for a in range(nsub) for m in range(a + 1)]
   gamma = {(a, m): _gamma_block(la, a, m, s) for a, m in pairs}
-  gu = dict(zip(pairs, _row_products([(g_ref, a, u_ref, m) for a, m in pairs], s, st.key_dim)))  # G_a U_mᵀ
+  gu = dict(zip(pairs, _row_products([(g_ref, a, u_ref, m) for a, m in pairs], s, st.key_dim,
+                                     u_ref if st.squared else None)))                   # G_a U_mᵀ
   xt = [ib_ref[:, rows(a)] for a in range(nsub)]                   # [L, s]: the column blocks of ib
   w_ref[...] = _adjoint_columns(xt, gamma, gu, la, s, tb[0] if tb else None)
 

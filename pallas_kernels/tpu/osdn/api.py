@@ -108,7 +108,7 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   return ds, d_last
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
+def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None, keys=None,
            config: Config | None = None, interpret=None):
   """OSDN's sequential d-pass with the Pallas TPU kernels (Mosaic on a TPU, TPU interpret mode on a CPU).
 
@@ -121,9 +121,12 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   0..N−1 in row-major order (`osdn_jax.ops.packing.segment_index`), d1 is [N, G, K], d restarts from d1[n] at
   segment n's first token, and the second result is each segment's last d [N, G, K] (zeros for segments without
   tokens). interpret: None (interpret on a CPU backend), a bool or a `pltpu.InterpretParams`; config: `Config()`.
+  keys: None or the keys k with u = k ⊙ k; this kernel reads u, which is formed from them (fp32) where u is None.
   """
-  if u.ndim != 4:
-    raise ValueError(f"{NAME}: `u` must be [B, T, G, K], got shape {u.shape}")
+  if u is None and keys is not None:
+    u = jnp.square(jnp.asarray(keys, jnp.float32))
+  if u is None or u.ndim != 4:
+    raise ValueError(f"{NAME}: `u` must be [B, T, G, K], got shape {None if u is None else u.shape}")
   b, t, g, kd = u.shape
   if min(b, t, g, kd) < 1:
     raise ValueError(f"{NAME}: every dim of `u` must be ≥ 1, got shape {u.shape}")

@@ -422,6 +422,50 @@ def test_extreme_gates(clip, tables):
   _assert_close(got, want, names)
 
 
+# (anchor, learned r, keys' dtype, config overrides): blocks with the chain and a restart (r ≡ 1, the clip
+# acting), APF toward d_init over spans of two blocks with the tables from XLA, token by token when packed.
+KEY_CASES = {"r1-f32": ("zero", False, "float32", {}),
+             "init-bf16-spans-xla": ("init", True, "bfloat16", dict(spans=2, tables="xla")),
+             "zero-bf16-packed": ("zero", True, "bfloat16", {})}
+
+
+@pytest.mark.parametrize("case", list(KEY_CASES))
+def test_keys_read_by_the_kernels(case):
+  """d_pass(keys=k): the kernels read k in its own dtype and square it on load; values and gradients w.r.t. k,
+  n, β, r, d1 and d_init equal the token-serial scan on u = k ⊙ k (fp32, K = 20 padded to 32, odd T), k's
+  gradient through u = k ⊙ k; `Config.read_keys=False` (u formed in XLA) gives the same."""
+  anchor, learned_r, dtype, over = KEY_CASES[case]
+  packed = case.endswith("packed")
+  a = _inputs(11, T=67, G=2, K=20, segments=3 if packed else 0)
+  rng = np.random.default_rng(12)
+  k = jnp.asarray(np.sqrt(np.asarray(a["u"])) * rng.choice([-1.0, 1.0], size=a["u"].shape), dtype)
+  ids = jnp.asarray(np.stack([np.repeat([0, 1], [30, 37]), np.full(67, 2)]), jnp.int32) if packed else None
+  n = jnp.maximum(jnp.sum(jnp.square(k.astype(F32)), -1), 1e-12)
+  names = ("k", "n", "beta", "r", "d1", "d0") if learned_r else ("k", "n", "beta", "d1", "d0")
+  kw = dict(eta=8.0, d_min=0.0, d_max=2.0, apf_anchor=anchor, segment_ids=ids)
+
+  def run(impl):
+    def fn(*xs):
+      x = dict(zip(names, xs))
+      u = jnp.square(x["k"].astype(F32))
+      args = (x["n"], x["beta"], x.get("r"), x["d1"], x["d0"])
+      if impl == "scan":
+        return precond.osdn_d_pass(u, *args, implementation="reference", **kw)
+      config = osdn.INTERPRET.override(**over, read_keys=impl == "keys")
+      return osdn.d_pass(None, *args, keys=x["k"], config=config, **kw)
+    return fn
+
+  xs = [k, n] + [a[x] for x in names[2:]]
+  got, unread, want = _values_and_grads(run, xs, ("keys", "u", "scan"))
+  assert got[1][0].dtype == k.dtype
+  up = lambda r: (r[0], tuple(g.astype(F32) for g in r[1]))
+  tol = TOL if dtype == "float32" else 4e-3            # k's gradient is rounded to bf16
+  for x in (got, unread):
+    errors = _assert_close(up(x), up(want), names, tol=tol)
+    assert all(e < TOL for name, e in errors.items() if name != "dk"), errors
+  print(case, errors)
+
+
 def test_chaining():
   """Two calls through d_{T+1} equal one call."""
   a = _inputs(3, T=40, G=2, K=16)
@@ -502,26 +546,26 @@ def test_dispatch():
   subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("anchor,learned_r,packed", [("zero", False, False), ("zero", True, False),
-                                                     ("init", True, False), ("init", True, True)])
-def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed):
+@pytest.mark.parametrize("anchor,learned_r,packed,keys", [("zero", False, False, True), ("zero", True, False, False),
+                                                          ("init", True, False, False), ("init", True, True, True)])
+def test_lowers_to_triton(triton_lowering, capsys, anchor, learned_r, packed, keys):
   """Forward and backward (default GPU blocks but the kernel tables: block solves and their table kernels
   unpacked, the backward's right-hand side from the forward's inverse; token by token packed; K = 128, T with
-  a tail; packed: traced segment ids, per-segment d1 and last d) lower with the Triton backend for CUDA to IR
-  that passes MLIR verification."""
+  a tail; packed: traced segment ids, per-segment d1 and last d; keys: bf16 keys read by the kernels in place
+  of u) lower with the Triton backend for CUDA to IR that passes MLIR verification."""
   verified = triton_lowering
   b, t, g, kd, n_seg = 2, 100, 4, 128, 5
   sd = lambda *shape, dtype=F32: jax.ShapeDtypeStruct(shape, dtype)
 
   def loss(u, n, beta, r, d1, d0, ids):
-    ds, d_last = osdn.d_pass(u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0, d_max=8.0,
-                             apf_anchor=anchor, segment_ids=ids if packed else None, interpret=False,
-                             config=dataclasses.replace(osdn.DEFAULT, tables="kernel"))
+    ds, d_last = osdn.d_pass(None if keys else u, n, beta, r if learned_r else None, d1, d0, eta=1.0, d_min=0.0,
+                             d_max=8.0, apf_anchor=anchor, segment_ids=ids if packed else None, interpret=False,
+                             keys=u if keys else None, config=dataclasses.replace(osdn.DEFAULT, tables="kernel"))
     return jnp.sum(ds) + jnp.sum(d_last)
 
   f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
-  args = (sd(b, t, g, kd), sd(b, t, g), sd(b, t, g), sd(b, t, g), sd(n_seg if packed else b, g, kd), sd(g, kd),
-          sd(b, t, dtype=jnp.int32))
+  args = (sd(b, t, g, kd, dtype=jnp.bfloat16 if keys else F32), sd(b, t, g), sd(b, t, g), sd(b, t, g),
+          sd(n_seg if packed else b, g, kd), sd(g, kd), sd(b, t, dtype=jnp.int32))
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   ir = capsys.readouterr().out
   assert "@osdn_d_pass_bwd(" in ir
