@@ -6,6 +6,9 @@ the training rows sampled with replacement), and trains with plain optax AdamW (
 parameter, a 10 % linear warm-up then cosine to 0, no clipping) on the full logits' cross-entropy at the labelled
 positions. Accuracy is measured on test rows drawn with another seed, as the experiments draw them. `--reads=2`
 trains and tests on the read-twice rows (the kv block written twice before the queries), as `grid --reads=2` does.
+`--optimizer=trainer` trains with the grid's optimiser instead (the trainer's `mqar` config: weight decay on the
+matrices, b2 0.95, clip 1.0, a warm-up of min(50, steps/10)), everything else as before, to tell the optimisers'
+effect from the rest of the two paths.
 
   python -m experiments.mqar_oracle --variant=dn --length=256 --kv=64 --lr=3e-3 --steps=1500
 
@@ -43,6 +46,14 @@ def optimizer(lr, steps: int) -> optax.GradientTransformation:
   return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, 0.0), weight_decay=0.1)
 
 
+def trainer_optimizer(variant, length, kv, lr, steps: int) -> optax.GradientTransformation:
+  """The optimiser the grid trains a cell with (the trainer's `mqar` config: `osdn_jax.train.optim.make_at`)."""
+  from experiments import grid
+  from osdn_jax.train import optim
+  config = grid.Protocol(steps=steps).sweep(variant, length, kv).config(variant, length, kv, lr)
+  return optim.make_at(config.optimizer, steps, lr)
+
+
 def loss(graph, params, x, y):
   """Mean cross-entropy of the full logits at the labelled positions of tokens x [B, L] (labels y, IGNORE
   elsewhere)."""
@@ -72,11 +83,16 @@ def build(variant, vocab_size, size, implementation, dtype, seed):
 def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3, steps: int = 1500,
           batch_size: int = 64, seed: int = 0, vocab_size: int = 8192, size: str = "mqar",
           train_examples: int = 100_000, test_examples: int = 1000, implementation: str = "auto",
-          dtype: str = "float32", reads: int = 1, evals: int = 5, log=print) -> dict:
+          dtype: str = "float32", reads: int = 1, evals: int = 5, optimizer_name: str = "oracle",
+          log=print) -> dict:
   """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "steps_per_s"}. reads: times the
-  kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens)."""
+  kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens). optimizer_name: "oracle"
+  (`optimizer`) or "trainer" (the optimiser of the grid's cell config, `trainer_optimizer`), everything else
+  this loop's own."""
+  if optimizer_name not in ("oracle", "trainer"):
+    raise ValueError(f"train: `optimizer_name` must be 'oracle' or 'trainer', got {optimizer_name!r}")
   graph, params = build(variant, vocab_size, size, implementation, dtype, seed)
-  tx = optimizer(lr, steps)
+  tx = optimizer(lr, steps) if optimizer_name == "oracle" else trainer_optimizer(variant, length, kv, lr, steps)
   opt_state = tx.init(params)
   step = make_step(graph, tx)
 
@@ -122,7 +138,9 @@ def follow(protocol, cell, steps: int, optimizer_name: str = "oracle", workers: 
   unit = optimizer(1.0, protocol.steps)   # AdamW's update is linear in its learning rate
   make = (lambda lr: optax.chain(unit, optax.scale(lr))) if optimizer_name == "oracle" else None
   group = grid.Group(protocol, [cell], chunk_steps=steps, workers=workers, optimizer=make)
-  tx = group.make_optimizer(cell.lr) if make is None else optimizer(cell.lr, protocol.steps)
+  # This loop's copy of the trainer's optimiser is `trainer_optimizer`, the one `train` uses, not the grid's object.
+  tx = (trainer_optimizer(cell.variant, cell.length, cell.kv, cell.lr, protocol.steps) if make is None
+        else optimizer(cell.lr, protocol.steps))
   on_grid = group.losses(steps)[:, 0]
   graph, params = build(cell.variant, protocol.vocab_size, protocol.size, protocol.implementation, protocol.dtype,
                         cell.seed)
@@ -156,7 +174,8 @@ def define_flags():
   flags.DEFINE_string("dtype", "float32", "compute dtype")
   flags.DEFINE_integer("reads", 1, "times the kv block is read before the queries (1 or 2)")
   flags.DEFINE_integer("follow", 0, "> 0: compare this many steps of the grid's path with this loop's (docstring)")
-  flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"], "with --follow: the optimiser of both paths")
+  flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"],
+                    "this loop's AdamW or the grid's (trainer config); with --follow, of both paths")
   flags.DEFINE_integer("workers", 0, "with --follow: processes drawing the grid's training rows")
 
 
@@ -170,13 +189,13 @@ def main(argv):
                              implementation=f.implementation, eval_every=f.steps, reads=f.reads)
     result = follow(protocol, grid.Cell(f.variant, f.length, f.kv, f.lr, f.seed), f.follow, f.optimizer,
                     workers=f.workers)
-    at = [n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow]
+    at = sorted({n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow} | {f.follow})
     print(json.dumps(dict(steps=at, grid=[result["grid"][n - 1] for n in at],
                           oracle=[result["oracle"][n - 1] for n in at], max_rel_diff=result["max_rel_diff"])))
     return
   result = train(f.variant, f.length, f.kv, f.lr, f.steps, f.batch_size, f.seed,
                  f.vocab_size, f.size, f.train_examples, f.test_examples, implementation=f.implementation,
-                 dtype=f.dtype, reads=f.reads)
+                 dtype=f.dtype, reads=f.reads, optimizer_name=f.optimizer)
   print(json.dumps(result))
 
 

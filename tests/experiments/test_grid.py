@@ -59,6 +59,17 @@ def test_the_grid_step_is_the_oracle_loops_step(reads):
   assert abs(runs["oracle"]["grid"][-1] - runs["trainer"]["grid"][-1]) > 1e-4
 
 
+def test_the_oracles_optimisers():
+  """The oracle trains with its own AdamW or the grid's (`trainer_optimizer`, the one `follow` checks against the
+  grid's step above); another name is refused before anything is built."""
+  with pytest.raises(ValueError, match="optimizer_name"):
+    mqar_oracle.train(steps=1, optimizer_name="adam")
+  short = dict(length=16, kv=2, lr=1e-2, steps=4, batch_size=4, vocab_size=64, size="tiny", train_examples=16,
+               test_examples=8, implementation="xla", evals=1, log=lambda *_: None)
+  runs = [mqar_oracle.train(optimizer_name=name, **short) for name in ("oracle", "trainer")]
+  assert runs[0]["curve"][-1][1] != runs[1]["curve"][-1][1]
+
+
 def test_cells_run_the_unpacked_kernels():
   """A cell's rows are single sequences: its step runs the unpacked solves, which the Pallas kernels serve (the
   packed path with traced segment ids refuses `implementation="pallas"` without a static segment count)."""
