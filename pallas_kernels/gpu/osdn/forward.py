@@ -156,8 +156,8 @@ def _expand_kernel(st, *refs):
       refs, 1, 1, 1, st.has_r, st.has_o, 1, 1, st.has_r, 1, 1, 1, 1, 1)
   i = pl.program_id(2)
   D, _, ok, smooth = block_solve(
-      st, L.u_of(st, u_ref[...]), b_ref[...], n_ref[...], r_ref[...] if st.has_r else None, o_ref[...] if st.has_o else None,
-      d_ref[...], tf_ref[...], wf_ref[...], gm_ref[...] if st.has_r else None)
+      st, L.u_of(st, u_ref[...]), b_ref[...], n_ref[...], r_ref[...] if st.has_r else None,
+      o_ref[...] if st.has_o else None, d_ref[...], tf_ref[...], wf_ref[...], gm_ref[...] if st.has_r else None)
   ds_ref[...] = D
   ok_ref[i] = ok.astype(jnp.int32)
   sm_ref[i] = smooth.astype(jnp.int32)

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.chunk_math import iota
+from pallas_kernels.gpu.chunk_math import F32, iota
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.osdn.config import Config
-
-F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
