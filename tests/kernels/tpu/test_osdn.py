@@ -121,7 +121,7 @@ def _run(case, seed):
     assert errors[0] < 2 * TOL and errors[1] < max(TOL, 2 * errors[2]), (seed, label, errors)
   if lo is not None or hi is not None:
     fraction = _clipped_fraction(a, want64[0], eta=eta, lo=lo, hi=hi, apf_anchor=anchor, learned_r=learned_r)
-    assert fraction > 0.05, (seed, fraction)
+    assert fraction > 0.02, (seed, fraction)   # the cases' least over 300 seeds: 0.049
   assert float(jnp.max(jnp.abs(got[labels.index("dbeta")]))) > 0, seed
   return got, labels, count
 
@@ -131,7 +131,7 @@ def test_interpret_parity(case, seed, races):
   """Every output and gradient within 4e-6 relative RMS of the fp32 XLA implementation (the chunked form where
   unclipped and unpacked, else the scan) and, against the fp64 reference, within 2e-6 or twice the fp32
   implementation's own error (the clipped recurrence's gradients are ill-conditioned in places: ∂n reaches 2e-6 in
-  fp32 over 300 tokens); where the case clips, over 5% of the entries are clipped; packed, spare segments have a
+  fp32 over 300 tokens); where the case clips, over 2% of the entries are clipped; packed, spare segments have a
   zero last d and zero ∂d1."""
   got, labels, count = _run(case, seed)
   if count > 0 and CASES[case][1] == 200:
