@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-OPS = ("delta_rule", "linear_attention", "osdn_d_pass", "decayed_sum", "precond_key")
+OPS = ("delta_rule", "linear_attention", "osdn_d_pass", "osdn_guard", "decayed_sum", "precond_key")
 DECAYS = ("none", "scalar", "channel")
 CHUNK_SIZES = (16, 32, 64, 128)      # chunk sizes every implementation of the solves accepts
 LOG_DECAY_FLOOR = -30.0              # log-decays are clamped here (e^−30 ≈ 1e−13): lower values only cost precision

@@ -21,7 +21,7 @@ the keys' (queries') dtype, final states in fp32 (fp64 for fp64 inputs).
 `implementation` (`osdn_jax.ops.dispatch`), for the passes with several: "reference" (token-serial `lax.scan`,
 `dgps.naive` for the second moment), "xla" (`lax.associative_scan`; OSDN's exact chunked form when unclipped and
 unpacked, else the token-serial scan), "pallas" (this backend's kernels "decayed_sum", "precond_key",
-"osdn_d_pass"; on a CPU the GPU kernels in interpret mode), "pallas-gpu" / "pallas-tpu" (that platform's kernels,
+"osdn_d_pass", "osdn_guard"; on a CPU the GPU kernels in interpret mode), "pallas-gpu" / "pallas-tpu" (that platform's kernels,
 in interpret mode on another backend) or "auto" (pallas on a GPU or TPU when a kernel supports the call, else xla;
 OSDN's d-pass takes the exact chunked form whenever it is unclipped and unpacked).
 
@@ -394,12 +394,25 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
                            segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size, keys=keys)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
+  return _saveable(_guarded_key(ds, kx, keys, beta, n, guard, implementation).astype(out_dtype)), d_last
+
+
+def _guarded_key(ds, kx, keys, beta, n, guard, implementation):
+  """guard(ds ⊙ k) [B, T, G, K], NaN on the rows whose ‖k‖² is not finite: the kernel "osdn_guard" (one pass,
+  in the keys' dtype) where `implementation` runs kernels and one supports the call, else plain JAX (fp32)."""
+  impl = dispatch.normalize("osdn_write_key", implementation)
+  if keys is not None and isinstance(guard, numbers.Real) and impl not in ("reference", "xla"):
+    try:
+      kind, kernel = dispatch.choose(dispatch.spec("osdn_guard", keys.dtype, key_dim=keys.shape[-1]), impl)
+    except ValueError:          # an explicit platform without this kernel ("pallas-tpu"): plain JAX
+      kind = "xla"
+    if kind == "pallas":
+      return kernel(ds, keys, beta, n, guard=guard)
   # A key whose ‖k‖² is not finite (a NaN or inf in k, or a finite k whose square overflows) writes NaN: the guard's
   # β⟨k, d ⊙ k⟩ means nothing there, and a finite write key of that size would overflow inside the chunked solve
   # and reach its chunk's other rows, where the solve confines a NaN to its sequence from its token on.
   k_write = apply_guard(ds * kx, kx, beta, guard)
-  k_write = jnp.where(~jnp.isfinite(n)[..., None], jnp.asarray(jnp.nan, k_write.dtype), k_write)
-  return _saveable(k_write.astype(out_dtype)), d_last
+  return jnp.where(~jnp.isfinite(n)[..., None], jnp.asarray(jnp.nan, k_write.dtype), k_write)
 
 
 def fixed_write_key(k, beta, d, *, guard=2.0):

@@ -23,7 +23,8 @@ disjoint rows of the per-segment arrays.
 
 Given the keys (`d_pass(keys=k)`, as `osdn_jax.dgps.precond.osdn_write_key` passes them), the kernels read k in
 its own dtype and form u = k ⊙ k in fp32 where they load it (`layout.u_of`), so u is never stored; k's cotangent
-is 2 k ⊙ ∂u. The guard and d ⊙ k stay in plain JAX in `osdn_jax.dgps.precond`. fp32 throughout.
+is 2 k ⊙ ∂u. The write key k̃ = guard(d ⊙ k) is `guard.write_key`, a kernel of its own (op "osdn_guard").
+fp32 throughout.
 """
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def configured(config: Config):
     yield
   finally:
     _CONFIGS.pop()
+
+
+def current_config(interpret: bool) -> Config:
+  """The config of calls traced without one: the innermost `configured`, else DEFAULT (INTERPRET in interpret
+  mode)."""
+  return _CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -166,7 +173,7 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   eta = static_number(where, "eta", eta)
   d_min, d_max = static_number(where, "d_min", d_min), static_number(where, "d_max", d_max)
   interpret = default_interpret(interpret)
-  config = config or (_CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT))
+  config = config or current_config(interpret)
   mode = "none" if retention is None else apf_anchor
   return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, keys, eta=eta, d_min=d_min,
               d_max=d_max, mode=mode, config=config, interpret=interpret)

@@ -29,9 +29,13 @@ class Config:
   dots_tables: str = "ieee"       # fp32 dots of the tables' kernels (Gram blocks U Uᵀ, the backward's G Uᵀ)
   dots_expand: str = "tf32x3"     # fp32 dots of the expansion ((Γ diag(coef)) U per block)
   read_keys: bool = True          # given the keys, the kernels read k and square it on load (else u = k ⊙ k stored)
+  fused_guard: bool = True        # the write key guard(d ⊙ k) as one kernel (`guard.py`; False: plain JAX)
+  guard_rows: int = 32            # rows (tokens × heads) per program of the guard's kernels
+  warps_guard: int = 4            # warps of the guard's kernels
 
   def __post_init__(self):
-    for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables", "warps_spans"):
+    for name in ("block_t", "block_t_bwd", "warps_solve", "warps_tables", "warps_spans", "guard_rows",
+                 "warps_guard"):
       if not is_pow2(getattr(self, name)):
         raise ValueError(f"Config.{name}={getattr(self, name)} must be a power of two")
     if self.num_warps is not None and not is_pow2(self.num_warps):

@@ -1,0 +1,137 @@
+"""OSDN's guarded write key in one pass: k̃ = guard(d ⊙ k) from the d-pass's ds, forward and backward kernels.
+
+Per row (one token of one head; w = d ⊙ k, u = k ⊙ k, γ the guard):
+    s = β ⟨k, w⟩ = β ⟨d, u⟩,   m = min(1, γ / max(s, 1e-12)),   k̃ = m w,
+and k̃ = NaN where n (the d-pass's max(‖k‖², 1e-12)) is not finite, as `osdn_jax.dgps.precond.osdn_write_key`
+forms it in plain JAX (its contract: `apply_guard` then that select, then the cast to k's dtype). In plain JAX
+the row sum s is one fusion and the scaled write another, each reading d (fp32) and k; here one program reads a
+block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d, ∂k and ∂β:
+    ∂m = ⟨∂k̃, w⟩,   ∂s = ∂m · m'(s),   ∂w = m ∂k̃ + ∂s β k,   ∂d = ∂w ⊙ k,   ∂k = ∂w ⊙ d + ∂s β w,   ∂β = ∂s ⟨k, w⟩,
+with ∂k̃ zeroed on the NaN rows and m'(s) as `jnp.minimum` / `jnp.maximum` differentiate (½ at a tie). The
+products are formed in the order autodiff forms them, so the kernels' gradients are plain JAX's to rounding and
+NaN where its are (a key whose square overflows: 0 · 1e20 · 1e20 is 0, 0 · (1e20)² would be NaN).
+
+Layout: [B, T, G, K] viewed as rows [N, K] (N = B·T·G, no copy), blocks of R rows (the largest power of two ≤
+`Config.guard_rows` that divides N) and all K (padded to a power of two ≥ 16 when it is not one); β and n as [N].
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
+from pallas_kernels.gpu.osdn.config import Config
+from pallas_kernels.gpu.osdn.loops import F32
+
+_FLOOR = 1e-12                          # the guard's floor on s (`apply_guard`)
+
+
+def _rows_block(rows: int, most: int) -> int:
+  """The largest power of two ≤ most that divides rows."""
+  r = 1
+  while r * 2 <= most and rows % (r * 2) == 0:
+    r *= 2
+  return r
+
+
+def _scale(guard, b, d, k):
+  """(w, ⟨d, u⟩, s, m) of a block: w = d ⊙ k [R, K]; [R] the rest."""
+  w = d * k
+  t = jnp.sum(w * k, axis=1)
+  s = b * t
+  return w, t, s, jnp.minimum(1.0, guard / jnp.maximum(s, _FLOOR))
+
+
+def _forward_kernel(guard, ds_ref, k_ref, b_ref, n_ref, out_ref):
+  w, _, _, m = _scale(guard, b_ref[...], ds_ref[...], k_ref[...].astype(F32))
+  finite = n_ref[...] < jnp.inf                  # False for NaN and +inf (n ≥ 1e-12 otherwise)
+  out_ref[...] = jnp.where(finite[:, None], w * m[:, None], jnp.nan).astype(out_ref.dtype)
+
+
+def _backward_kernel(guard, g_ref, ds_ref, k_ref, b_ref, n_ref, dd_ref, dk_ref, db_ref):
+  d, k, b = ds_ref[...], k_ref[...].astype(F32), b_ref[...]
+  finite = n_ref[...] < jnp.inf
+  g = jnp.where(finite[:, None], g_ref[...].astype(F32), 0.0)
+  w, t, s, m = _scale(guard, b, d, k)
+  x = jnp.maximum(s, _FLOOR)
+  y = guard / x
+  dm_dy = jnp.where(y < 1.0, 1.0, jnp.where(y == 1.0, 0.5, 0.0))
+  dx_ds = jnp.where(s > _FLOOR, 1.0, jnp.where(s == _FLOOR, 0.5, 0.0))
+  gs = jnp.sum(g * w, axis=1) * dm_dy * (-guard / (x * x)) * dx_ds
+  gsb = (gs * b)[:, None]
+  gw = g * m[:, None] + gsb * k          # ∂w, from k̃ = m w and from s = β ⟨k, w⟩ (products in autodiff's order)
+  dd_ref[...] = gw * k
+  dk_ref[...] = gw * d + gsb * w
+  db_ref[...] = gs * t
+
+
+def _call(kernel, guard, config, interpret, args, outs, name):
+  rows, kp = args[0].shape
+  r = _rows_block(rows, config.guard_rows)
+  tile = pl.BlockSpec((r, kp), lambda i: (i, 0))
+  vec = pl.BlockSpec((r,), lambda i: (i,))
+  specs = [tile if x.ndim == 2 else vec for x in args]
+  out_specs = [tile if len(o.shape) == 2 else vec for o in outs]
+  return pallas_call(functools.partial(kernel, guard), grid=(rows // r,), in_specs=specs,
+                     out_specs=out_specs if len(outs) > 1 else out_specs[0],
+                     out_shape=outs if len(outs) > 1 else outs[0], interpret=interpret,
+                     num_warps=config.warps_guard, num_stages=1, name=name)(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _guarded(ds, k, beta, n, guard, config, interpret):
+  out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  return _call(_forward_kernel, guard, config, interpret, (ds, k, beta, n), [out], "osdn_guard_fwd")
+
+
+def _guarded_fwd(ds, k, beta, n, guard, config, interpret):
+  return _guarded(ds, k, beta, n, guard, config, interpret), (ds, k, beta, n)
+
+
+def _guarded_bwd(guard, config, interpret, res, g):
+  ds, k, beta, n = res
+  outs = [jax.ShapeDtypeStruct(ds.shape, F32), jax.ShapeDtypeStruct(k.shape, F32),
+          jax.ShapeDtypeStruct(beta.shape, F32)]
+  dd, dk, db = _call(_backward_kernel, guard, config, interpret, (g, ds, k, beta, n), outs, "osdn_guard_bwd")
+  return dd, dk.astype(k.dtype), db.astype(beta.dtype), jnp.zeros_like(n)
+
+
+_guarded.defvjp(_guarded_fwd, _guarded_bwd)
+
+
+def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret: bool | None = None):
+  """k̃ [B, T, G, K] in k's dtype: guard(ds ⊙ k), NaN on the rows where n is not finite.
+
+  ds [B, T, G, K] fp32 (the d-pass's d of every token), k [B, T, G, K] (the keys on the d-pass's heads, fp32,
+  bf16 or fp16), beta and n [B, T, G] fp32 (the gains and the d-pass's max(‖k‖², 1e-12)), guard γ > 0 a static
+  number. Differentiable w.r.t. ds, k and beta (n only selects rows: a zero cotangent). The contract is
+  `osdn_jax.dgps.precond.osdn_write_key`'s plain-JAX write key.
+  """
+  from pallas_kernels.gpu.osdn.api import current_config   # the d-pass's config stack (`api.configured`)
+  if ds.ndim != 4 or k.shape != ds.shape:
+    raise ValueError(f"osdn write_key (pallas gpu): `ds` and `k` must be [B, T, G, K] of one shape, got "
+                     f"{ds.shape} and {k.shape}")
+  for name, x in (("beta", beta), ("n", n)):
+    if x.shape != ds.shape[:3]:
+      raise ValueError(f"osdn write_key (pallas gpu): `{name}` must be [B, T, G] = {ds.shape[:3]}, got {x.shape}")
+  interpret = default_interpret(interpret)
+  config = config or current_config(interpret)
+  b, t, g, kd = ds.shape
+  kp = padded_dim(kd)
+  rows = b * t * g
+  flat = lambda x: pad_axis(x.reshape(rows, kd), 1, kp)
+  y = _guarded(flat(jnp.asarray(ds, F32)), flat(k), jnp.asarray(beta, F32).reshape(rows),
+               jnp.asarray(n, F32).reshape(rows), float(guard), config, interpret)
+  return y[:, :kd].reshape(b, t, g, kd)
+
+
+def supports_write_key(spec) -> bool:
+  """Compiled on "gpu", interpret mode on "cpu"; keys in fp32, bf16 or fp16 with K ≤ 256; a static guard; and
+  `Config.fused_guard` in the d-pass's current config."""
+  from pallas_kernels.gpu.osdn.api import current_config
+  return (spec.platform in ("gpu", "cpu") and spec.dtype in ("float32", "bfloat16", "float16")
+          and spec.key_dim <= 256 and spec.static_params
+          and current_config(spec.platform == "cpu").fused_guard)
