@@ -5,7 +5,7 @@ Per row (one token of one head; w = d ⊙ k, u = k ⊙ k, γ the guard):
 and k̃ = NaN where n (the d-pass's max(‖k‖², 1e-12)) is not finite, as `osdn_jax.dgps.precond.osdn_write_key`
 forms it in plain JAX (its contract: `apply_guard` then that select, then the cast to k's dtype). In plain JAX
 the row sum s is one fusion and the scaled write another, each reading d (fp32) and k; here one program reads a
-block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d, ∂k and ∂β:
+block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d (fp32), ∂k (in k's dtype) and ∂β:
     ∂m = ⟨∂k̃, w⟩,   ∂s = ∂m · m'(s),   ∂w = m ∂k̃ + ∂s β k,   ∂d = ∂w ⊙ k,   ∂k = ∂w ⊙ d + ∂s β w,   ∂β = ∂s ⟨k, w⟩,
 with ∂k̃ zeroed on the NaN rows and m'(s) as `jnp.minimum` / `jnp.maximum` differentiate (½ at a tie). The
 products are formed in the order autodiff forms them, so the kernels' gradients are plain JAX's to rounding and
@@ -64,7 +64,7 @@ def _backward_kernel(guard, g_ref, ds_ref, k_ref, b_ref, n_ref, dd_ref, dk_ref, 
   gsb = (gs * b)[:, None]
   gw = g * m[:, None] + gsb * k          # ∂w, from k̃ = m w and from s = β ⟨k, w⟩ (products in autodiff's order)
   dd_ref[...] = gw * k
-  dk_ref[...] = gw * d + gsb * w
+  dk_ref[...] = (gw * d + gsb * w).astype(dk_ref.dtype)
   db_ref[...] = gs * t
 
 
@@ -93,10 +93,10 @@ def _guarded_fwd(ds, k, beta, n, guard, config, interpret):
 
 def _guarded_bwd(guard, config, interpret, res, g):
   ds, k, beta, n = res
-  outs = [jax.ShapeDtypeStruct(ds.shape, F32), jax.ShapeDtypeStruct(k.shape, F32),
+  outs = [jax.ShapeDtypeStruct(ds.shape, F32), jax.ShapeDtypeStruct(k.shape, k.dtype),
           jax.ShapeDtypeStruct(beta.shape, F32)]
   dd, dk, db = _call(_backward_kernel, guard, config, interpret, (g, ds, k, beta, n), outs, "osdn_guard_bwd")
-  return dd, dk.astype(k.dtype), db.astype(beta.dtype), jnp.zeros_like(n)
+  return dd, dk, db, jnp.zeros_like(n)
 
 
 _guarded.defvjp(_guarded_fwd, _guarded_bwd)
