@@ -11,8 +11,9 @@ with ∂k̃ zeroed on the NaN rows and m'(s) as `jnp.minimum` / `jnp.maximum` di
 products are formed in the order autodiff forms them, so the kernels' gradients are plain JAX's to rounding and
 NaN where its are (a key whose square overflows: 0 · 1e20 · 1e20 is 0, 0 · (1e20)² would be NaN).
 
-Layout: [B, T, G, K] viewed as rows [N, K] (N = B·T·G, no copy), blocks of R rows (the largest power of two ≤
-`Config.guard_rows` that divides N) and all K (padded to a power of two ≥ 16 when it is not one); β and n as [N].
+Layout: [B, T, G, K] viewed as rows [N, K] (N = B·T·G, no copy), blocks of R = `Config.guard_rows` rows (fewer
+when N is smaller) and all K; N is padded to a multiple of R and K to a power of two ≥ 16 only where they are not
+already (a copy then); β and n as [N].
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ _FLOOR = 1e-12                          # the guard's floor on s (`apply_guard`)
 
 
 def _rows_block(rows: int, most: int) -> int:
-  """The largest power of two ≤ most that divides rows."""
+  """Rows per program: `most`, or the power of two ≥ rows when there are fewer."""
   r = 1
-  while r * 2 <= most and rows % (r * 2) == 0:
+  while r < min(rows, most):
     r *= 2
   return r
 
@@ -60,7 +61,8 @@ def _backward_kernel(guard, g_ref, ds_ref, k_ref, b_ref, n_ref, dd_ref, dk_ref, 
   y = guard / x
   dm_dy = jnp.where(y < 1.0, 1.0, jnp.where(y == 1.0, 0.5, 0.0))
   dx_ds = jnp.where(s > _FLOOR, 1.0, jnp.where(s == _FLOOR, 0.5, 0.0))
-  gs = jnp.sum(g * w, axis=1) * dm_dy * (-guard / (x * x)) * dx_ds
+  # −((∂y · x⁻²) · γ), autodiff's order: γ / x² alone overflows for a large γ at the floor x = 1e-12
+  gs = -((jnp.sum(g * w, axis=1) * dm_dy * (1.0 / (x * x))) * guard) * dx_ds
   gsb = (gs * b)[:, None]
   gw = g * m[:, None] + gsb * k          # ∂w, from k̃ = m w and from s = β ⟨k, w⟩ (products in autodiff's order)
   dd_ref[...] = gw * k
@@ -71,6 +73,7 @@ def _backward_kernel(guard, g_ref, ds_ref, k_ref, b_ref, n_ref, dd_ref, dk_ref, 
 def _call(kernel, guard, config, interpret, args, outs, name):
   rows, kp = args[0].shape
   r = _rows_block(rows, config.guard_rows)
+  assert rows % r == 0, (rows, r)        # `write_key` pads the rows
   tile = pl.BlockSpec((r, kp), lambda i: (i, 0))
   vec = pl.BlockSpec((r,), lambda i: (i,))
   specs = [tile if x.ndim == 2 else vec for x in args]
@@ -122,10 +125,12 @@ def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret:
   b, t, g, kd = ds.shape
   kp = padded_dim(kd)
   rows = b * t * g
-  flat = lambda x: pad_axis(x.reshape(rows, kd), 1, kp)
-  y = _guarded(flat(jnp.asarray(ds, F32)), flat(k), jnp.asarray(beta, F32).reshape(rows),
-               jnp.asarray(n, F32).reshape(rows), float(guard), config, interpret)
-  return y[:, :kd].reshape(b, t, g, kd)
+  r = _rows_block(rows, config.guard_rows)
+  rp = -(-rows // r) * r                 # padded rows: zero d, k and β, n = 1 (a finite, unguarded row)
+  flat = lambda x: pad_axis(pad_axis(x.reshape(rows, kd), 1, kp), 0, rp)
+  vec = lambda x, fill: jnp.pad(jnp.asarray(x, F32).reshape(rows), (0, rp - rows), constant_values=fill)
+  y = _guarded(flat(jnp.asarray(ds, F32)), flat(k), vec(beta, 0.0), vec(n, 1.0), float(guard), config, interpret)
+  return y[:rows, :kd].reshape(b, t, g, kd)
 
 
 def supports_write_key(spec) -> bool:

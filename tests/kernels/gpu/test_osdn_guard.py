@@ -92,6 +92,26 @@ def test_tie_at_the_guard():
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
+def test_a_large_guard_at_the_floor():
+  """γ = 1e15 on rows with β = 0 or a zero key (s at the 1e-12 floor): γ / s² overflows, the gradients must not
+  (autodiff's order of the products); 21 rows, padded to the block."""
+  rng = np.random.default_rng(0)
+  ds = jnp.asarray(rng.uniform(0.5, 2.0, (1, 7, 3, 16)), F32)
+  k = jnp.asarray(rng.normal(size=(1, 7, 3, 16)), F32).at[0, 1].set(0.0)
+  beta = jnp.asarray(rng.uniform(0.2, 1.0, (1, 7, 3)), F32).at[0, 0].set(0.0)
+  n = jnp.maximum(jnp.sum(k * k, -1), 1e-12)
+  plain = lambda ds, k, beta: precond._guarded_key(ds, k, k, beta, n, 1e15, "xla")
+  kernel = lambda ds, k, beta: osdn.write_key(ds, k, beta, n, guard=1e15)
+  w = jnp.asarray(rng.normal(size=ds.shape), F32)
+  for fn in (plain, kernel):
+    grads = jax.grad(lambda *x: jnp.sum(fn(*x) * w), argnums=(0, 1, 2))(ds, k, beta)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+  got = jax.grad(lambda *x: jnp.sum(kernel(*x) * w), argnums=(0, 1, 2))(ds, k, beta)
+  want = jax.grad(lambda *x: jnp.sum(plain(*x) * w), argnums=(0, 1, 2))(ds, k, beta)
+  for x, y in zip(got, want):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
 def test_dispatch_and_the_switch():
   """The GPU registry serves "osdn_guard" for fp32 / bf16 keys with a static guard; `fused_guard=False` in the
   d-pass's config (as `osdn:fused_guard=False` gives it) turns it off, and `osdn_write_key` then writes the same key in
