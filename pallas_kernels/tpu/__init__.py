@@ -2,7 +2,7 @@
 `pallas_kernels.lookup` for platform "tpu" only (`implementation="pallas"` on a CPU backend runs the GPU kernels in
 interpret mode; `implementation="pallas-tpu"` runs these there, in TPU interpret mode, as does `interpret=True`):
 
-  "delta_rule"        `delta_rule.delta_rule`         the online solve (all three decays, GVA; unpacked)
+  "delta_rule"        `delta_rule.delta_rule`         the online solve (all three decays, GVA; packed with static N)
   "linear_attention"  `delta_rule.linear_attention`   the offline solve through the same kernels
   "osdn_d_pass"       `osdn.d_pass`                   OSDN's clipped d-pass (packed or not)
   "decayed_sum"       `decayed_sum.decayed_sum`       the PDN / ATQ decayed second moment
