@@ -5,7 +5,8 @@ Per row (one token of one head; w = d ⊙ k, u = k ⊙ k, γ the guard):
 and k̃ = NaN where n (the d-pass's max(‖k‖², 1e-12)) is not finite, as `osdn_jax.dgps.precond.osdn_write_key`
 forms it in plain JAX (its contract: `apply_guard` then that select, then the cast to k's dtype). In plain JAX
 the row sum s is one fusion and the scaled write another, each reading d (fp32) and k; here one program reads a
-block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d (fp32), ∂k (in k's dtype) and ∂β:
+block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d (fp32), ∂k (in k's
+dtype) and ∂β:
     ∂m = ⟨∂k̃, w⟩,   ∂s = ∂m · m'(s),   ∂w = m ∂k̃ + ∂s β k,   ∂d = ∂w ⊙ k,   ∂k = ∂w ⊙ d + ∂s β w,   ∂β = ∂s ⟨k, w⟩,
 with ∂k̃ zeroed on the NaN rows and m'(s) as `jnp.minimum` / `jnp.maximum` differentiate (½ at a tie). The
 products are formed in the order autodiff forms them, so the kernels' gradients are plain JAX's to rounding and
