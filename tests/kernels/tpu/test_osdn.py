@@ -118,7 +118,10 @@ def _run(case, seed):
       continue
     assert x.shape == y64.shape and np.all(np.isfinite(np.asarray(x))), (seed, label)
     errors = rel_rms(x, y32), rel_rms(x, y64), rel_rms(y32, y64)
-    assert errors[0] < 2 * TOL and errors[1] < max(TOL, 2 * errors[2]), (seed, label, errors)
+    # Where d sits at a bound, a step below half an fp32 ulp of the bound leaves d̄ exactly on it, and jnp.clip's
+    # derivative there is ½; two fp32 implementations that round d̄ differently (operation order, FMA contraction:
+    # the CPU's instruction set decides) then disagree on such ties as much as either disagrees with fp64.
+    assert errors[0] < max(2 * TOL, errors[2]) and errors[1] < max(TOL, 2 * errors[2]), (seed, label, errors)
   if lo is not None or hi is not None:
     fraction = _clipped_fraction(a, want64[0], eta=eta, lo=lo, hi=hi, apf_anchor=anchor, learned_r=learned_r)
     assert fraction > 0.02, (seed, fraction)   # the cases' least over 300 seeds: 0.049
@@ -129,9 +132,11 @@ def _run(case, seed):
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CASES])
 def test_interpret_parity(case, seed, races):
   """Every output and gradient within 4e-6 relative RMS of the fp32 XLA implementation (the chunked form where
-  unclipped and unpacked, else the scan) and, against the fp64 reference, within 2e-6 or twice the fp32
-  implementation's own error (the clipped recurrence's gradients are ill-conditioned in places: ∂n reaches 2e-6 in
-  fp32 over 300 tokens); where the case clips, over 2% of the entries are clipped; packed, spare segments have a
+  unclipped and unpacked, else the scan), or within that implementation's own distance from the fp64 reference
+  where it is larger; against the fp64 reference, within 2e-6 or twice the fp32 implementation's own error. The
+  clipped gradients are discontinuous at exact ties with a bound (∂clip = ½), and fp32 rounding makes ties that
+  fp64 does not: at T = 300, K = 128 fp32 has 2.6 times as many, and ∂u is 1.7e-2 from fp64 in either fp32 form;
+  where the case clips, over 2% of the entries are clipped; packed, spare segments have a
   zero last d and zero ∂d1."""
   got, labels, count = _run(case, seed)
   if count > 0 and CASES[case][1] == 200:
