@@ -16,8 +16,9 @@ A unchanged, so A_T is exact).
 Faults stay where the token-serial recurrence puts them, without help from the caller (`confines_faults`): a
 non-finite b_t (a NaN or inf in x_t or β_t, or x_t² overflowing) or a log-decay g_t that is NaN or +inf makes the
 channel's A from t on and A_T NaN (every channel for g_t), the rows before t as in the clean run. In the kernel
-the faulty b enter the dot as 0 and a per-channel flag, carried across chunks, marks the rows from the first
-fault on. The flag cannot tell a sequence's segments apart, so packed callers confine faults themselves.
+a chunk whose last row is finite in every channel, after no fault, is stored as the dot gives it (a fault anywhere
+in the chunk would make that row non-finite); otherwise the chunk is computed again with the faulty b entering
+the dot as 0, and a per-channel flag, carried across chunks, marks the rows from the first fault on. The flag cannot tell a sequence's segments apart, so packed callers confine faults themselves.
 
 Backward (`jax.custom_vjp`, no second kernel): the adjoint λ_t = dA_t + e^{g_{t+1}} λ_{t+1}, λ_{T+1} = dA_T, is
 the same recurrence in reversed time with the decays shifted by one token, so it is this kernel run on the
@@ -56,15 +57,29 @@ def _kernel(square, chunk, num_chunks, *refs):
     if square:
       b = beta_ref[rows][:, None] * b * b
     G = g_ref[rows]
-    # A fault (b_t non-finite, or G_t: a log-decay NaN or +inf, carried by the in-chunk cumsum) enters the dot
-    # as 0 and its channel is dead from t on: a zero weight times a NaN would reach the chunk's earlier rows.
-    bad = ~(jnp.abs(b) < jnp.inf) | ~(jnp.abs(G) < jnp.inf)[:, None]
-    row = iota(b.shape, 0).astype(F32)
-    first = jnp.min(jnp.where(bad, row, float(chunk)), axis=0)
-    dead_rows = (row >= first[None, :]) | (dead[None, :] > 0.0)
-    Ac = dot(decay_factor(G, chunk, strict=False), jnp.where(bad, 0.0, b)) + jnp.exp(G)[:, None] * A[None, :]
-    a_ref[rows, :] = jnp.where(dead_rows, jnp.nan, Ac)
-    return last_row(Ac), jnp.maximum(dead, (first < chunk).astype(F32))
+    Ac = dot(decay_factor(G, chunk, strict=False), b) + jnp.exp(G)[:, None] * A[None, :]
+    last = last_row(Ac)
+
+    def clean():
+      a_ref[rows, :] = Ac
+      return last, dead
+
+    def confined():
+      # A fault (b_t non-finite, or G_t: a log-decay NaN or +inf, carried by the in-chunk cumsum) enters the dot
+      # as 0 and its channel is dead from t on: a zero weight times a NaN would reach the chunk's earlier rows.
+      bad = ~(jnp.abs(b) < jnp.inf) | ~(jnp.abs(G) < jnp.inf)[:, None]
+      row = iota(b.shape, 0).astype(F32)
+      first = jnp.min(jnp.where(bad, row, float(chunk)), axis=0)
+      dead_rows = (row >= first[None, :]) | (dead[None, :] > 0.0)
+      Af = dot(decay_factor(G, chunk, strict=False), jnp.where(bad, 0.0, b)) + jnp.exp(G)[:, None] * A[None, :]
+      a_ref[rows, :] = jnp.where(dead_rows, jnp.nan, Af)
+      return last_row(Af), jnp.maximum(dead, (first < chunk).astype(F32))
+
+    # A fault anywhere in the chunk makes its channel's last row non-finite (the dot multiplies every b_t, and a
+    # zero weight times a NaN or inf is NaN; G_t reaches the last row's cumsum), so a finite last row in every
+    # channel, with no channel dead before, is a clean chunk: the rows as computed, the selects skipped.
+    fine = jnp.min(jnp.where(jnp.abs(last) < jnp.inf, 1.0, 0.0) - dead) > 0.0
+    return lax.cond(fine, clean, confined)
 
   A0 = a0_ref[...].astype(F32)
   A_T, dead = lax.fori_loop(0, num_chunks, body, (A0, jnp.zeros_like(A0)))

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.arrays import check_precond_key
@@ -157,10 +158,21 @@ def _summaries_kernel(st, k_ref, w_ref, s_ref):
 
 def _apply_kernel(st, k_ref, p_ref, beta_ref, g_ref, ain_ref, y_ref):
   rows = _load_rows(st, k_ref, p_ref, beta_ref, g_ref)
-  for t, A in enumerate(_moments(rows, ain_ref[...])):
-    if not st.pdn:    # ATQ's q / (inf + λ) would be a finite 0; PDN's scale of an infinite A is NaN already
-      A = jnp.where(jnp.abs(A) < jnp.inf, A, jnp.nan)
-    y_ref[t, :] = _transform(st, A, rows.k[t], rows.p[t]).astype(y_ref.dtype)
+  moments = _moments(rows, ain_ref[...])
+
+  def write(finite):
+    for t, A in enumerate(moments):
+      if not finite:    # ATQ's q / (inf + λ) would be a finite 0; PDN's scale of an infinite A is NaN already
+        A = jnp.where(jnp.abs(A) < jnp.inf, A, jnp.nan)
+      y_ref[t, :] = _transform(st, A, rows.k[t], rows.p[t]).astype(y_ref.dtype)
+
+  if st.pdn:
+    write(True)
+  else:
+    # A non-finite A_t stays non-finite through the chunk (its decay e^g is positive), so a finite last row in
+    # every channel means a clean chunk: the selects are skipped.
+    fine = jnp.min(jnp.where(jnp.abs(moments[-1]) < jnp.inf, 1.0, 0.0)) > 0.0
+    lax.cond(fine, lambda: write(True), lambda: write(False))
 
 
 def _carry_grad_kernel(st, k_ref, p_ref, beta_ref, g_ref, G_ref, ain_ref, dy_ref, s_ref):
