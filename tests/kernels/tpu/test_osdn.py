@@ -119,8 +119,8 @@ def _run(case, seed):
     assert x.shape == y64.shape and np.all(np.isfinite(np.asarray(x))), (seed, label)
     errors = rel_rms(x, y32), rel_rms(x, y64), rel_rms(y32, y64)
     # Where d sits at a bound, a step below half an fp32 ulp of the bound leaves d̄ exactly on it, and jnp.clip's
-    # derivative there is ½; two fp32 implementations that round d̄ differently (operation order, FMA contraction:
-    # the CPU's instruction set decides) then disagree on such ties as much as either disagrees with fp64.
+    # derivative there is ½; two fp32 implementations that round d̄ differently (operation order, fused
+    # multiply-adds) then disagree on such ties as much as either disagrees with fp64.
     assert errors[0] < max(2 * TOL, errors[2]) and errors[1] < max(TOL, 2 * errors[2]), (seed, label, errors)
   if lo is not None or hi is not None:
     fraction = _clipped_fraction(a, want64[0], eta=eta, lo=lo, hi=hi, apf_anchor=anchor, learned_r=learned_r)
