@@ -8,8 +8,9 @@ Token t writes with d_t; `d_pass` returns ds = (d_1 … d_T) and d_{T+1}, fp32. 
 `osdn_jax.dgps.precond.osdn_d_pass(implementation="reference")` (the token-serial scan); signature and results are
 those of `pallas_kernels.gpu.osdn.d_pass`, packed sequences included.
 
-`kernel.py`: the forward and backward kernels (layout, grid, the reverse token loop); `api.py`: the entry point, the
-custom_vjp and the XLA around the kernels; `config.py`: block sizes.
+`kernel.py`: the forward and backward kernels (layout, grid, the reverse token loop); `blocks.py`: the block form's
+math (L tokens at once where the clip does not act, `Config(form="blocks")`); `api.py`: the entry point, the
+custom_vjp and the XLA around the kernels; `config.py`: block sizes and the form.
 """
 from pallas_kernels.tpu.osdn.api import d_pass, supports
 from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, Config
