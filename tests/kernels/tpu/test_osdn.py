@@ -218,15 +218,20 @@ def _lower(topology, shapes, fn, grad: bool):
                                    pytest.param(BENCH["B1-T32768-H8-K128"], id="B1-T32768-H8-K128",
                                                 marks=pytest.mark.slow)])
 @pytest.mark.parametrize("topology", [pytest.param("v5e:1x1", marks=pytest.mark.slow), "v5p:1x1x1", "v6e:1x1"])
-def test_compiles_for_tpu(topology, shape, record_property, capsys):
+@pytest.mark.parametrize("config", [pytest.param(osdn.Config(), id="tokens"),
+                                    pytest.param(osdn.Config(form="blocks", block_t=16), id="blocks16"),
+                                    pytest.param(osdn.Config(form="blocks", block_t=32), id="blocks32",
+                                                 marks=pytest.mark.slow)])
+def test_compiles_for_tpu(config, topology, shape, record_property, capsys):
   """The forward alone and `value_and_grad` (forward and backward kernel) with an APF retention, anchor "init" and
-  the default clip [0, 8], compiled for one chip. The gradient program's temporaries are the saved ds and μ (fp32)
-  and little else."""
+  the default clip [0, 8], compiled for one chip, in the token form and the block form (L = 16, 32). The gradient
+  program's temporaries are the saved ds and μ (fp32) and little else."""
   from osdn_jax.train import aot
   B, T, H, K = shape
 
   def d_pass(u, n, beta, r, d1, d0):
-    return osdn.d_pass(u, n, beta, r, d1, d0, eta=1.0, d_min=0.0, d_max=8.0, apf_anchor="init", interpret=False)
+    return osdn.d_pass(u, n, beta, r, d1, d0, eta=1.0, d_min=0.0, d_max=8.0, apf_anchor="init", interpret=False,
+                       config=config)
   shapes = [((B, T, H, K), F32), ((B, T, H), F32), ((B, T, H), F32), ((B, T, H), F32), ((B, H, K), F32),
             ((H, K), F32)]
   forward, _ = _lower(topology, shapes, d_pass, grad=False)
@@ -236,7 +241,7 @@ def test_compiles_for_tpu(topology, shape, record_property, capsys):
   memory = aot.memory_report(compiled, aot.CHIPS[topology.split(":")[0]].hbm_gib)
   record_property("memory", json.dumps(memory))
   with capsys.disabled():
-    print(f"\n{topology} ({device.device_kind}) B,T,H,K={shape}: {memory}")
+    print(f"\n{topology} ({device.device_kind}) {config.form} L={config.block_t} B,T,H,K={shape}: {memory}")
   state = B * T * H * K * 4
   assert memory["temp_bytes"] <= 2.6 * state and memory["fits"], memory
 
