@@ -51,6 +51,12 @@ def parse_variant(spec: str) -> tuple[str, dict]:
   return name.lower(), options
 
 
+def check_variants(variants) -> None:
+  """ValueError naming the first variant `parse_variant` refuses: for settings checked before anything trains."""
+  for spec in variants:
+    parse_variant(spec)
+
+
 def variant_config(base, spec: str, size: str):
   """A copy of the trainer config `base` that trains variant `spec` at model size `size`."""
   name, options = parse_variant(spec)

@@ -41,7 +41,7 @@ from absl import app, flags
 from flax import nnx
 
 from experiments import common, mqar
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.data.recall import IGNORE
 from osdn_jax.ops import dispatch
@@ -551,9 +551,9 @@ def main(argv):
                         train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
                         implementation=f.implementation, eval_every=f.eval_every, reads=f.reads)
     variants = tuple(f.variants)
-    pairs = (tuple(tuple(map(int, p.split(":"))) for p in f.pairs) if f.pairs
-             else tuple(dict.fromkeys(pair for cut in f.cut for pair in CUTS[cut])))
-    lrs, seeds = tuple(map(float, f.lrs)), tuple(map(int, f.seeds))
+    pairs = (cli.items("pairs", f.pairs, cli.int_pair, "L:kv, two ints such as 256:64") if f.pairs
+             else tuple(dict.fromkeys(pair for cut in cli.choices("cut", f.cut, sorted(CUTS)) for pair in CUTS[cut])))
+    lrs, seeds = cli.floats("lrs", f.lrs), cli.ints("seeds", f.seeds, minimum=0)
   for v in variants:
     common.parse_variant(v)
   if not f.report:
@@ -566,4 +566,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -23,11 +23,11 @@ import pathlib
 
 import numpy as np
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.plot_run import read_metrics
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
@@ -48,6 +48,9 @@ class LM:
   validation_batches: int = 16
   seeds: tuple[int, ...] = (0,)
   implementation: str = "auto"
+
+  def __post_init__(self):
+    common.check_variants(self.variants)      # an unknown one stops the comparison before anything trains
 
   def config(self, variant: str, seed: int | None = None):
     """The trainer's config of one run (seed: default the first of `seeds`)."""
@@ -159,10 +162,11 @@ def main(argv):
   if f.smoke:
     spec = LM(**SMOKE)
   else:
-    spec = LM(variants=tuple(f.variants), size=f.size, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
-              seq_len=f.seq_len, batch_size=f.batch_size, steps=f.steps, lr=f.lr, dtype=f.dtype,
-              validation_batches=f.validation_batches, seeds=tuple(map(int, f.seeds)),
-              implementation=f.implementation)
+    seeds = cli.ints("seeds", f.seeds, minimum=0)
+    with cli.usage():
+      spec = LM(variants=tuple(f.variants), size=f.size, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
+                seq_len=f.seq_len, batch_size=f.batch_size, steps=f.steps, lr=f.lr, dtype=f.dtype,
+                validation_batches=f.validation_batches, seeds=seeds, implementation=f.implementation)
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, LM, upgrade=common.seed_to_seeds)
@@ -194,4 +198,4 @@ if __name__ == "__main__":
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   flags.DEFINE_list("merge", [], "lm.json files of parts of one comparison: report them together")
-  app.run(main)
+  cli.run(main)

@@ -22,10 +22,10 @@ import dataclasses
 import pathlib
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
@@ -56,6 +56,7 @@ class Sweep:
 
   def __post_init__(self):
     check_grid(self.lengths, self.kv, self.train_kv)
+    common.check_variants(self.variants)
 
   def config(self, variant: str, length: int, kv: int, lr: float):
     """The trainer config of one run. The loss reads max(kv) positions per row in every cell, so the cells of
@@ -249,13 +250,17 @@ def define_flags(defaults: Sweep):
 
 
 def sweep_from_flags(**fixed) -> Sweep:
+  """The sweep the flags describe; `cli.UsageError` naming the flag for one it cannot take (before any work)."""
   f = FLAGS
   if f.smoke:
     return Sweep(**dict(SMOKE, **fixed))
-  return Sweep(variants=tuple(f.variants), lengths=tuple(map(int, f.lengths)), kv=tuple(map(int, f.kv)),
-               lrs=tuple(map(float, f.lrs)), steps=f.steps, batch_size=f.batch_size, size=f.size,
-               vocab_size=f.vocab_size, train_examples=f.train_examples, test_examples=f.test_examples,
-               train_kv=f.train_kv, seed=f.seed, implementation=f.implementation, dtype=f.dtype, **fixed)
+  lengths, kv = cli.ints("lengths", f.lengths, minimum=1), cli.ints("kv", f.kv, minimum=1)
+  lrs = cli.floats("lrs", f.lrs)
+  with cli.usage():
+    return Sweep(variants=tuple(f.variants), lengths=lengths, kv=kv, lrs=lrs, steps=f.steps, batch_size=f.batch_size,
+                 size=f.size, vocab_size=f.vocab_size, train_examples=f.train_examples,
+                 test_examples=f.test_examples, train_kv=f.train_kv, seed=f.seed, implementation=f.implementation,
+                 dtype=f.dtype, **fixed)
 
 
 def merged(payloads: list[dict]) -> tuple[Sweep, list[dict]]:
@@ -286,4 +291,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags(Sweep())
-  app.run(main)
+  cli.run(main)

@@ -21,10 +21,10 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common
-from osdn_jax import models, plugins
+from osdn_jax import cli, models, plugins
 from osdn_jax.data import PasskeySource
 from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
@@ -46,6 +46,20 @@ class Passkey:
   test_examples: int = 64
   seeds: tuple[int, ...] = (0,)
   implementation: str = "auto"
+
+  def __post_init__(self):
+    """ValueError naming the setting no run could use (before anything trains): a depth outside [0, 1], a length
+    too short for the needle, question and answer, an unknown variant."""
+    for depth in self.depths:
+      if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+        raise ValueError(f"passkey: `depths` must be numbers in [0, 1] (the needle's place in the haystack), got "
+                         f"{depth!r}")
+    for name, length in [("train_length", self.train_length)] + [("lengths", x) for x in self.lengths]:
+      try:
+        PasskeySource(length=length, num_records=1, seed=0, digits=self.digits)
+      except ValueError as e:
+        raise ValueError(f"passkey: `{name}` {length}: {e}") from None
+    common.check_variants(self.variants)
 
   def config(self, variant: str, seed: int | None = None):
     """The trainer's config of one run (seed: default the first of `seeds`)."""
@@ -154,10 +168,12 @@ def main(argv):
   if f.smoke:
     spec = Passkey(**SMOKE)
   else:
-    spec = Passkey(variants=tuple(f.variants), train_length=f.train_length, lengths=tuple(map(int, f.lengths)),
-                   depths=tuple(map(float, f.depths)), steps=f.steps, batch_size=f.batch_size, lr=f.lr,
-                   size=f.size, test_examples=f.test_examples, seeds=tuple(map(int, f.seeds)),
-                   implementation=f.implementation)
+    lengths, depths = cli.ints("lengths", f.lengths), cli.floats("depths", f.depths)
+    seeds = cli.ints("seeds", f.seeds, minimum=0)
+    with cli.usage():
+      spec = Passkey(variants=tuple(f.variants), train_length=f.train_length, lengths=lengths, depths=depths,
+                     steps=f.steps, batch_size=f.batch_size, lr=f.lr, size=f.size, test_examples=f.test_examples,
+                     seeds=seeds, implementation=f.implementation)
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, Passkey, upgrade=common.seed_to_seeds)
@@ -188,4 +204,4 @@ if __name__ == "__main__":
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
   flags.DEFINE_list("merge", [], "passkey.json files of parts of one comparison: report them together")
-  app.run(main)
+  cli.run(main)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common, mqar
+from osdn_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -85,4 +86,4 @@ def main(argv):
 
 if __name__ == "__main__":
   mqar.define_flags(mqar.Sweep(lengths=(256,), kv=(16, 32, 64)))
-  app.run(main)
+  cli.run(main)

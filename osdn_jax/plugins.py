@@ -30,7 +30,8 @@ _IMPORTED: list[str] = []   # the names import_modules imported, in order (`impo
 def import_modules(names: Iterable[str]) -> list[ModuleType]:
   """Imports each module named (`importlib.import_module`, dotted names too) with the current directory on
   sys.path (first, as `python -m` puts it), and returns them. ImportError naming the module for one that cannot be
-  imported, whatever its import raised (a missing module, an error in its code, a point it registers twice)."""
+  imported, whatever its import raised (a missing module, an error in its code, a point it registers twice, a
+  sys.exit, which would end the program having done nothing)."""
   cwd = os.getcwd()
   if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
     sys.path.insert(0, cwd)
@@ -43,6 +44,10 @@ def import_modules(names: Iterable[str]) -> list[ModuleType]:
       modules.append(importlib.import_module(name))
       if name not in _IMPORTED:
         _IMPORTED.append(name)
+    except SystemExit as e:   # a script, not a module: importing it must not end the program that imports it
+      raise ImportError(f"cannot import module {name!r}: importing it called sys.exit({e.code!r}); a module for "
+                        "--imports defines and registers, and runs nothing on import (guard a script's work with "
+                        "`if __name__ == \"__main__\":`)") from None
     except Exception as e:  # noqa: BLE001 -- any failure of the user's module is reported as one line
       hint = f" (a module name, e.g. {name[:-3]!r}, not a file)" if name.endswith(".py") else ""
       detail = str(e).splitlines()[0] if str(e) else ""

@@ -38,6 +38,11 @@ Output in DIR:
                           sizes, sha256), skipped records by reason with their count and first examples, the
                           inputs (path, bytes, sha256 of each file's bytes as stored) and the sha256 of all of
                           their bytes in order, the settings and their sha256, and a fingerprint of both
+DIR may hold other files. A run refuses a DIR holding a file of a name it writes unless --overwrite, which deletes
+only the files DIR/metadata.json lists (and refuses such a name that it does not list). The run writes into a
+hidden DIR/.prepare-* directory and moves its files into place once it has finished (the earlier run's removed
+first, metadata.json last): a run that fails leaves DIR as it found it (tests/data/test_prepared_files.py). The
+readers (`tokens`) verify each shard's and index's sha256 when they first read it.
 No separator token is stored: the index records the document boundaries, and the reader (`tokens.TokenRows`)
 appends EOS to each document as it cuts rows, so the text source's row layout is kept while a different
 separator (or none) needs no new pass over the corpus.
@@ -69,14 +74,17 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from osdn_jax import cli
 from osdn_jax.data import tokens as tokens_lib
 
 SUFFIXES = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".jsonl.zst": "jsonl", ".parquet": "parquet"}
@@ -97,6 +105,9 @@ CHUNK_BYTES = 1 << 20              # a task for a worker: records of about this 
 CHUNK_RECORDS = 4096               # ...or this many records
 DEFAULT_SHARD_TOKENS = 1 << 28
 DEFAULT_VALIDATION = 0.005
+# The names of the files a run writes (`_earlier_run`): shards, indexes, a tokenizer, the metadata.
+_OUTPUT_NAME = re.compile(rf"^(?:(?:{'|'.join(tokens_lib.SPLITS)})-[0-9]{{5}}\.(?:bin|idx)|tokenizer\.json|"
+                          rf"tokenizer\.model|{re.escape(tokens_lib.METADATA)})$")
 
 
 def _kind(path: pathlib.Path) -> str | None:
@@ -108,21 +119,22 @@ def _kind(path: pathlib.Path) -> str | None:
 
 
 def expand(patterns: Sequence[str], flag: str = "--input") -> list[pathlib.Path]:
-  """The files the globs match, sorted by path, each once. ValueError for a glob that matches nothing, a
-  directory, or a file of an unsupported kind; ImportError naming the package a .zst or .parquet file needs."""
+  """The files the globs match, sorted by path, each once. `cli.UsageError` (a ValueError) for a glob that
+  matches nothing, a directory, or a file of an unsupported kind; ImportError naming the package a .zst or
+  .parquet file needs."""
   if isinstance(patterns, (str, os.PathLike)):
     patterns = [patterns]
   files = set()
   for pattern in patterns:
     matches = sorted(glob_lib.glob(os.fspath(pattern), recursive=True))
     if not matches:
-      raise ValueError(f"prepare: {flag}={pattern} matches no file")
+      raise cli.UsageError(f"prepare: {flag}={pattern} matches no file")
     for match in map(pathlib.Path, matches):
       if match.is_dir():
-        raise ValueError(f"prepare: {flag}={pattern} matches the directory {match}; use a glob of files such as "
-                         f"'{match}/**/*.jsonl'")
+        raise cli.UsageError(f"prepare: {flag}={pattern} matches the directory {match}; use a glob of files such "
+                             f"as '{match}/**/*.jsonl'")
       if _kind(match) is None:
-        raise ValueError(f"prepare: {match} is not a supported input ({', '.join(SUFFIXES)})")
+        raise cli.UsageError(f"prepare: {match} is not a supported input ({', '.join(SUFFIXES)})")
       if match.name.lower().endswith(".zst"):
         tokens_lib.require("zstandard", f"prepare: {match} (.zst)")
       if _kind(match) == "parquet":
@@ -465,24 +477,40 @@ def _training_texts(files, text_field, seed, validation, limit, bar) -> Iterator
         index += 1
 
 
+def _check_spec(spec: str, eos_token: str, out: pathlib.Path) -> None:
+  """UsageError for a --tokenizer SPEC (module docstring) that names no tokenizer, or an --eos_token that does not
+  apply to it; FileNotFoundError for a tokenizer file that does not exist; ImportError for its missing package."""
+  if spec in ("bytes", "byte") or spec.startswith("bpe:"):
+    if spec.startswith("bpe:") and (not spec[4:].isdigit() or int(spec[4:]) < 257):
+      raise cli.UsageError(f"prepare: --tokenizer={spec}: the BPE's size must be an int ≥ 257 (256 bytes and EOS)")
+    if eos_token:
+      raise cli.UsageError(f"prepare: --eos_token does not apply to --tokenizer={spec} (its EOS is "
+                           f"{'0' if spec.startswith('byte') else '<eos> = 0'})")
+    return
+  if not spec.endswith((".json", ".model")):
+    raise cli.UsageError(f"prepare: --tokenizer={spec!r}: expected bytes, bpe:N, a tokenizer.json path or a "
+                         "sentencepiece .model path")
+  kind = "tokenizer.json" if spec.endswith(".json") else "sentencepiece model"
+  if not pathlib.Path(spec).is_file():
+    raise FileNotFoundError(f"prepare: --tokenizer={spec}: no such {kind}")
+  if pathlib.Path(spec).resolve().parent == out.resolve():
+    raise cli.UsageError(f"prepare: --tokenizer={spec} lies in --out={out}, whose files a run replaces; copy it "
+                         "elsewhere first")
+  if spec.endswith(".json"):
+    tokens_lib.require("tokenizers", "prepare: a tokenizer.json")
+  else:
+    tokens_lib.require("sentencepiece", "prepare: a sentencepiece .model tokenizer")
+
+
 def _tokenizer(spec: str, out: pathlib.Path, eos_token: str, files, text_field, seed, validation,
                bpe_train_bytes, progress) -> tuple[dict, dict, object]:
   """(worker description, metadata["tokenizer"] with eos, the tokenizer) for SPEC; trains or copies into out."""
   if spec in ("bytes", "byte"):
     from osdn_jax.data.tokenizers import ByteTokenizer
-    if eos_token:
-      raise ValueError("prepare: --eos_token does not apply to --tokenizer=bytes (EOS is 0)")
     return {"kind": "bytes"}, {"spec": spec, "kind": "bytes", "file": None, "sha256": None,
                                "eos_token": None}, ByteTokenizer()
   if spec.startswith("bpe:"):
-    try:
-      size = int(spec[4:])
-    except ValueError:
-      size = -1
-    if size < 257:
-      raise ValueError(f"prepare: --tokenizer={spec}: the BPE's size must be an int ≥ 257 (256 bytes and EOS)")
-    if eos_token:
-      raise ValueError("prepare: --eos_token does not apply to a trained BPE (EOS is <eos> = 0)")
+    size = int(spec[4:])
     from osdn_jax.data.tokenizers import BPETokenizer
     from tqdm import tqdm
     total = sum(p.stat().st_size for p in files)
@@ -493,29 +521,19 @@ def _tokenizer(spec: str, out: pathlib.Path, eos_token: str, files, text_field, 
     kind, file, eos_token = "bpe", "tokenizer.json", BPETokenizer.EOS
   elif spec.endswith(".json"):
     source = pathlib.Path(spec)
-    if not source.is_file():
-      raise FileNotFoundError(f"prepare: --tokenizer={spec}: no such tokenizer.json")
-    tokens_lib.require("tokenizers", "prepare: a tokenizer.json")
     eos_token = eos_token or tokens_lib.HFTokenizer.find_eos(source)
     if eos_token is None:
       raise ValueError(f"prepare: the tokenizer {spec} holds none of {', '.join(tokens_lib.EOS_CANDIDATES)}; "
                        "name its end-of-text token with --eos_token")
     shutil.copyfile(source, out / "tokenizer.json")
     kind, file = "tokenizer.json", "tokenizer.json"
-  elif spec.endswith(".model"):
-    source = pathlib.Path(spec)
-    if not source.is_file():
-      raise FileNotFoundError(f"prepare: --tokenizer={spec}: no such sentencepiece model")
-    tokens_lib.require("sentencepiece", "prepare: a sentencepiece .model tokenizer")
-    shutil.copyfile(source, out / "tokenizer.model")
-    kind, file, eos_token = "sentencepiece", "tokenizer.model", eos_token or None
   else:
-    raise ValueError(f"prepare: --tokenizer={spec!r}: expected bytes, bpe:N, a tokenizer.json path or a "
-                     "sentencepiece .model path")
+    shutil.copyfile(spec, out / "tokenizer.model")
+    kind, file, eos_token = "sentencepiece", "tokenizer.model", eos_token or None
   desc = {"kind": "sentencepiece" if kind == "sentencepiece" else "hf", "file": str(out / file),
           "eos_token": eos_token}
   tokenizer = (tokens_lib.SentencePieceTokenizer if kind == "sentencepiece" else tokens_lib.HFTokenizer)(
-      out / file, eos_token)
+      out / file if kind == "bpe" else spec, eos_token)          # a given tokenizer's errors name its path
   if tokenizer.eos_id is None:
     raise ValueError(f"prepare: the sentencepiece model {spec} has no eos id; name its end-of-text piece with "
                      "--eos_token")
@@ -526,26 +544,61 @@ def _tokenizer(spec: str, out: pathlib.Path, eos_token: str, files, text_field, 
 def _dtype(requested: str, vocab_size: int) -> str:
   if requested == "auto":
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-  if requested not in DTYPES:
-    raise ValueError(f"prepare: --dtype must be auto, uint16 or uint32, got {requested!r}")
   if vocab_size > 1 << (8 * DTYPES[requested].itemsize):
     raise ValueError(f"prepare: a vocabulary of {vocab_size} tokens does not fit {requested} (ids up to "
                      f"{(1 << (8 * DTYPES[requested].itemsize)) - 1}); use --dtype=uint32 or --dtype=auto")
   return requested
 
 
-def _clear(out: pathlib.Path, overwrite: bool) -> None:
-  """Makes out; with overwrite, removes an earlier run's files from it (metadata first); without, refuses a
-  directory that holds any."""
-  out.mkdir(parents=True, exist_ok=True)
-  old = sorted({p for pattern in (tokens_lib.METADATA, "*-[0-9][0-9][0-9][0-9][0-9].bin",
-                                  "*-[0-9][0-9][0-9][0-9][0-9].idx", "tokenizer.json", "tokenizer.model")
-                for p in out.glob(pattern)}, key=lambda p: p.name != tokens_lib.METADATA)
-  if old and not overwrite:
-    raise FileExistsError(f"prepare: {out} already holds prepared files ({old[0].name}, ...); pass --overwrite "
+def _earlier_run(out: pathlib.Path, overwrite: bool) -> list[pathlib.Path]:
+  """The files of an earlier run that this one replaces: those out's metadata.json lists (of the names prepare
+  writes; no other file is ever removed), metadata.json first.
+  FileExistsError, before anything is written: without overwrite, for a directory holding any file of a name
+  prepare writes (`_OUTPUT_NAME`); with it, for such a file that metadata.json does not list (another program's,
+  or a run's that did not finish), and for a metadata.json that cannot be read."""
+  if out.exists() and not out.is_dir():
+    raise FileExistsError(f"prepare: --out={out} is a file; name a directory (a new one, or a prepared one with "
+                          "--overwrite)")
+  present = sorted(p.name for p in out.iterdir() if _OUTPUT_NAME.match(p.name)) if out.is_dir() else []
+  if not present:
+    return []
+  if not overwrite:
+    raise FileExistsError(f"prepare: {out} already holds prepared files ({present[0]}, ...); pass --overwrite "
                           "to replace them, or choose another --out")
-  for p in old:
-    p.unlink()
+  listed = {tokens_lib.METADATA: None}
+  if (out / tokens_lib.METADATA).is_file():
+    try:
+      listed.update(dict.fromkeys(tokens_lib.listed_files(tokens_lib.read_metadata(out))))
+    except (ValueError, KeyError, TypeError) as e:
+      raise FileExistsError(f"prepare: --overwrite replaces only the files {out / tokens_lib.METADATA} lists, and "
+                            f"it cannot be read ({e}); remove the directory's files yourself or choose another "
+                            "--out") from None
+  if stray := [name for name in present if name not in listed]:
+    raise FileExistsError(f"prepare: {out} holds {stray[0]}, which its {tokens_lib.METADATA} does not list"
+                          f"{'' if (out / tokens_lib.METADATA).is_file() else ' (there is none)'}; --overwrite "
+                          "replaces only the files of the run metadata.json describes: move it away, or choose "
+                          "another --out")
+  return [out / name for name in listed if _OUTPUT_NAME.match(name) and (out / name).exists()]
+
+
+def _missing_parents(out: pathlib.Path) -> list[pathlib.Path]:
+  """out and those of its parents that do not exist, innermost first: what making out creates."""
+  missing = []
+  for p in (out, *out.parents):
+    if p.exists():
+      break
+    missing.append(p)
+  return missing
+
+
+def _install(work: pathlib.Path, out: pathlib.Path, earlier: list[pathlib.Path]) -> None:
+  """Moves a finished run's files from work into out, in place of the earlier run's: metadata.json last."""
+  for path in earlier:
+    path.unlink()
+  for path in sorted(work.iterdir()):
+    if path.name != tokens_lib.METADATA:
+      os.replace(path, out / path.name)
+  os.replace(work / tokens_lib.METADATA, out / tokens_lib.METADATA)
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
@@ -559,28 +612,55 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
   output does not depend on it. verbose: print the summary (`summary`) at the end."""
   start = time.perf_counter()
   if not isinstance(text_field, str) or not text_field:
-    raise ValueError(f"prepare: --text_field must be a non-empty string, got {text_field!r}")
+    raise cli.UsageError(f"prepare: --text_field must be a non-empty string, got {text_field!r}")
   if not isinstance(validation, (int, float)) or not 0 <= validation < 1:
-    raise ValueError(f"prepare: --validation must be a fraction in [0, 1), got {validation!r}")
+    raise cli.UsageError(f"prepare: --validation must be a fraction in [0, 1), got {validation!r}")
   for name, value, minimum in (("seed", seed, 0), ("workers", workers, 0), ("shard_tokens", shard_tokens, 1),
                                ("bpe_train_bytes", bpe_train_bytes, 0)):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-      raise ValueError(f"prepare: --{name} must be an int ≥ {minimum}, got {value!r}")
+      raise cli.UsageError(f"prepare: --{name} must be an int ≥ {minimum}, got {value!r}")
+  if dtype != "auto" and dtype not in DTYPES:
+    raise cli.UsageError(f"prepare: --dtype must be auto, uint16 or uint32, got {dtype!r}")
   workers = workers or os.cpu_count() or 1
   files = expand(inputs)
   validation_files = expand(validation_input, "--validation_input") if validation_input else []
   if both := set(files) & set(validation_files):
-    raise ValueError(f"prepare: {sorted(both)[0]} is matched by both --input and --validation_input")
+    raise cli.UsageError(f"prepare: {sorted(both)[0]} is matched by both --input and --validation_input")
   fraction = 0.0 if validation_files else float(validation)
   out = pathlib.Path(out)
-  if tokenizer.endswith((".json", ".model")) and pathlib.Path(tokenizer).resolve().parent == out.resolve():
-    raise ValueError(f"prepare: --tokenizer={tokenizer} lies in --out={out}, whose files a run replaces; copy it "
-                     "elsewhere first")
-  if tokenizer.startswith("bpe:") and dtype == "uint16" and tokenizer[4:].isdigit() and int(tokenizer[4:]) > 1 << 16:
-    raise ValueError(f"prepare: a vocabulary of {tokenizer[4:]} tokens does not fit uint16 (ids up to 65535); use "
-                     "--dtype=uint32 or --dtype=auto")
-  _clear(out, overwrite)
+  _check_spec(tokenizer, eos_token, out)
+  if tokenizer.startswith("bpe:") and dtype == "uint16" and int(tokenizer[4:]) > 1 << 16:
+    raise cli.UsageError(f"prepare: a vocabulary of {tokenizer[4:]} tokens does not fit uint16 (ids up to 65535); "
+                         "use --dtype=uint32 or --dtype=auto")
+  earlier = _earlier_run(out, overwrite)
+  created = _missing_parents(out)
+  out.mkdir(parents=True, exist_ok=True)
+  # The run writes into a hidden directory of out, whose files replace the earlier run's once it has finished: a
+  # run that fails leaves out as it found it.
+  work = pathlib.Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+  try:
+    metadata, workers = _write(work, files, validation_files, tokenizer, eos_token=eos_token,
+                               text_field=text_field, seed=seed, fraction=fraction, workers=workers, dtype=dtype,
+                               shard_tokens=shard_tokens, bpe_train_bytes=bpe_train_bytes, progress=progress)
+    _install(work, out, earlier)
+  except BaseException:
+    shutil.rmtree(work, ignore_errors=True)
+    for path in created:                         # the directories this run made, innermost first
+      try:
+        path.rmdir()
+      except OSError:
+        break
+    raise
+  work.rmdir()
+  if verbose:
+    print(summary(metadata, out, seconds=time.perf_counter() - start, workers=workers))
+  return metadata
 
+
+def _write(out: pathlib.Path, files, validation_files, tokenizer: str, *, eos_token, text_field, seed, fraction,
+           workers, dtype, shard_tokens, bpe_train_bytes, progress) -> tuple[dict, int]:
+  """Writes the run's files into out (`prepare`'s working directory); returns the metadata and the workers that
+  tokenized."""
   desc, info, tok = _tokenizer(tokenizer, out, eos_token, files, text_field, seed, fraction, bpe_train_bytes,
                                progress)
   vocab_size = int(tok.vocab_size)
@@ -682,12 +762,8 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
       "settings": settings, "settings_sha256": settings_sha256,
       "fingerprint": tokens_lib.fingerprint(all_bytes.hexdigest(), settings_sha256),
   }
-  part = out / (tokens_lib.METADATA + ".part")
-  part.write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-  os.replace(part, out / tokens_lib.METADATA)
-  if verbose:
-    print(summary(metadata, out, seconds=time.perf_counter() - start, workers=workers))
-  return metadata
+  (out / tokens_lib.METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+  return metadata, workers
 
 
 def summary(metadata: dict, out="", *, seconds: float | None = None, workers: int = 1) -> str:
@@ -712,9 +788,9 @@ def summary(metadata: dict, out="", *, seconds: float | None = None, workers: in
 
 
 def main(argv) -> None:
-  from absl import app, flags
+  from absl import flags
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise cli.UsageError(f"prepare: unexpected arguments {argv[1:]}; every argument is a --flag (--help lists them)")
   f = flags.FLAGS
   prepare(f.input, f.tokenizer, f.out, text_field=f.text_field, validation=f.validation,
           validation_input=f.validation_input, seed=f.seed, workers=f.workers, dtype=f.dtype,
@@ -745,6 +821,5 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  cli.run(main)

@@ -11,6 +11,10 @@ EOS is inserted here as the rows are cut, so a row looks exactly like the text s
 document (its target is scored) and serves as the next one's BOS (the input whose target starts the next
 document, unscored). Row i is the stream's tokens [i·length, (i + 1)·length); the last partial row is dropped.
 
+Every file is checked against metadata.json before it is used: an index's sha256 when its split is opened, a
+shard's on the first read from it in this process (`verify_shard`); a file whose bytes changed is a ValueError
+naming it.
+
 Imports numpy only; the tokenizer (HuggingFace `tokenizers` or `sentencepiece`) is loaded on first use.
 """
 from __future__ import annotations
@@ -48,18 +52,44 @@ def _directory(path) -> pathlib.Path:
   return pathlib.Path(path)
 
 
+# The fields of metadata.json a reader needs.
+REQUIRED = ("format", "version", "tokenizer", "vocab_size", "eos_id", "dtype", "splits", "fingerprint")
+
+
 def read_metadata(path) -> dict:
-  """DIR/metadata.json, checked for its format and version. FileNotFoundError (saying how to prepare the
-  directory) where there is none."""
+  """DIR/metadata.json, checked for its format, version and the fields a reader needs. FileNotFoundError (saying
+  how to prepare the directory) where there is none; ValueError naming the file where it is not such a file (not
+  UTF-8, not JSON, another format, a field missing)."""
   file = _directory(path) / METADATA
   if not file.is_file():
     raise FileNotFoundError(f"tokens: no {METADATA} in {file.parent} (a complete run of `python -m "
                             "osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR` writes it last)")
-  metadata = json.loads(file.read_text(encoding="utf-8"))
+  again = "; prepare the directory again (`python -m osdn_jax.data.prepare ... --overwrite`)"
+  try:
+    metadata = json.loads(file.read_text(encoding="utf-8"))
+  except UnicodeDecodeError as e:
+    raise ValueError(f"tokens: {file} is not UTF-8 text (byte {e.start}){again}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"tokens: {file} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}){again}") from None
+  if not isinstance(metadata, dict):
+    raise ValueError(f"tokens: {file} holds a JSON {type(metadata).__name__}, not the object prepare writes{again}")
   if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
     raise ValueError(f"tokens: {file} is format {metadata.get('format')!r} version {metadata.get('version')!r}, "
                      f"expected {FORMAT!r} version {VERSION}")
+  if missing := [k for k in REQUIRED if k not in metadata] + [f"splits.{s}" for s in SPLITS
+                                                               if s not in (metadata.get("splits") or {})]:
+    raise ValueError(f"tokens: {file} lacks {', '.join(missing)}{again}")
   return metadata
+
+
+def listed_files(metadata: dict) -> list[str]:
+  """The names of the files a prepared directory's metadata lists besides itself: its tokenizer's, its shards
+  and indexes."""
+  names = [metadata["tokenizer"]["file"]] if metadata["tokenizer"].get("file") else []
+  for split in SPLITS:
+    for shard in metadata["splits"][split]["shards"]:
+      names += [shard["bin"], shard["idx"]]
+  return names
 
 
 def vocab_size(path) -> int:
@@ -74,8 +104,7 @@ class HFTokenizer:
   them, dropped), vocab_size, eos_id (the token `eos_token`)."""
 
   def __init__(self, path, eos_token: str | None):
-    from tokenizers import Tokenizer
-    self._tokenizer = Tokenizer.from_file(str(path))
+    self._tokenizer = self.load(path)
     self._tokenizer.encode_special_tokens = True
     self._segments = None                            # encode_many's SegmentCache (False: none applies)
     vocab = self._tokenizer.get_vocab(with_added_tokens=True)
@@ -86,10 +115,20 @@ class HFTokenizer:
       raise ValueError(f"tokens: the tokenizer {path} has no token {eos_token!r}")
 
   @staticmethod
+  def load(path):
+    """The `tokenizers.Tokenizer` of a tokenizer.json; ValueError naming the file where the library cannot read
+    it (not UTF-8, not JSON, not a tokenizer)."""
+    from tokenizers import Tokenizer
+    try:
+      return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the library raises a bare Exception
+      detail = " ".join(str(e).split()) or type(e).__name__
+      raise ValueError(f"tokens: {path} is not a tokenizer.json the `tokenizers` library reads ({detail})") from None
+
+  @staticmethod
   def find_eos(path) -> str | None:
     """The first of `EOS_CANDIDATES` that the tokenizer.json holds, or None."""
-    from tokenizers import Tokenizer
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = HFTokenizer.load(path)
     return next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
 
   def encode_many(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -184,14 +223,46 @@ class LazyTokenizer:
     return self._get().decode(ids)
 
 
+# -- checksums ------------------------------------------------------------------------------------------------
+_VERIFIED: set[tuple] = set()       # (path, size, mtime_ns, inode, sha256) of the shards this process verified
+
+
+def _mismatch(file: pathlib.Path) -> ValueError:
+  return ValueError(f"tokens: {file} does not match its sha256 in {METADATA} (its bytes changed after prepare "
+                    "wrote them); prepare the directory again or copy it whole")
+
+
+def _check_sha256(file: pathlib.Path, data: bytes, expected: str | None) -> None:
+  if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+    raise _mismatch(file)
+
+
+def verify_shard(file: pathlib.Path, expected: str | None) -> None:
+  """ValueError naming the file unless its bytes' sha256 is `expected` (None: nothing to verify). Each file is
+  hashed once per process while its size, modification time and inode stay the same."""
+  if expected is None:
+    return
+  stat = file.stat()
+  key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, expected)
+  if key in _VERIFIED:
+    return
+  digest = hashlib.sha256()
+  with open(file, "rb") as f:
+    while block := f.read(1 << 22):
+      digest.update(block)
+  if digest.hexdigest() != expected:
+    raise _mismatch(file)
+  _VERIFIED.add(key)
+
+
 # -- documents and rows ---------------------------------------------------------------------------------------
 class TokenDocuments:
   """The documents of one split ("train", "validation" or "all": train then validation) of a prepared directory:
   `docs[j]` is document j's token ids (a read-only view of the memory-mapped shard, the file's dtype).
 
   Opening checks every shard's files against the metadata's sizes (a truncated copy is a ValueError naming the
-  file) and reads the indexes into memory: 8 bytes per document. Tokens stay on disk (numpy memmaps, opened on
-  first use and not pickled)."""
+  file) and reads the indexes into memory (8 bytes per document), checking their sha256. Tokens stay on disk
+  (numpy memmaps, opened on first use, after the shard's sha256 is checked, and not pickled)."""
 
   def __init__(self, path, split: str = "train"):
     self.path = _directory(path)
@@ -212,7 +283,9 @@ class TokenDocuments:
           raise ValueError(f"tokens: {file} should hold {size} bytes (metadata.json), "
                            f"{'is missing' if not file.is_file() else f'holds {file.stat().st_size}'}; "
                            "prepare the directory again or copy it whole")
-      offsets = np.fromfile(self.path / shard["idx"], INDEX_DTYPE).astype(np.int64)
+      index = (self.path / shard["idx"]).read_bytes()
+      _check_sha256(self.path / shard["idx"], index, shard.get("idx_sha256"))
+      offsets = np.frombuffer(index, INDEX_DTYPE).astype(np.int64)
       if offsets[0] != 0 or offsets[-1] != shard["tokens"] or np.any(np.diff(offsets) < 0):
         raise ValueError(f"tokens: {self.path / shard['idx']} is not an index of {shard['tokens']} tokens")
       lengths.append(np.diff(offsets))
@@ -235,6 +308,7 @@ class TokenDocuments:
   def _shard(self, number: int) -> np.ndarray:
     if number not in self._maps:
       shard = self.shards[number]
+      verify_shard(self.path / shard["bin"], shard.get("bin_sha256"))
       self._maps[number] = np.memmap(self.path / shard["bin"], self.dtype, mode="r", shape=(shard["tokens"],))
     return self._maps[number]
 

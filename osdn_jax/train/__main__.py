@@ -16,9 +16,12 @@ environment (SLURM, TPU pods, Open MPI, ...); with --coordinator_address=HOST:PO
 --process_id=I (all three), through those values instead (the coordinator is process 0's host).
 
 The command line's errors (an unknown config name, a config field that does not exist such as --config.stpes=3,
-a bad value, a work directory that is a file, any other flag error) are one line on stderr and exit status 1; the
-end of a run prints its summary (steps, final training loss, held-out loss, tokens/s, where the checkpoints and
-metrics are) on stdout.
+a bad value, a work directory that is a file, any other flag error) and the errors a run stops with that the
+user's input causes (`osdn_jax.cli.user_errors`: data that cannot be read, a token id outside the vocabulary
+(`TokenIdError`), a non-finite loss or state (`NonFiniteError`), a work directory another trainer holds
+(`WorkdirLockedError`), ...) are one line on stderr, `train: <message>`, and exit status 1; --debug (or
+OSDN_DEBUG=1) shows their tracebacks instead. The end of a run prints its summary (steps, final training loss,
+held-out loss, tokens/s, where the checkpoints and metrics are) on stdout.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import traceback
 import jax
 from absl import app, flags
 
+from osdn_jax import cli as cli_lib
 from osdn_jax import plugins
 from osdn_jax.train import configs
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
@@ -48,6 +52,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "join a multi-process run
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0's coordination service")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run", lower_bound=1)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)", lower_bound=0)
+cli_lib.define_debug_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -65,12 +70,15 @@ def distributed_args(coordinator_address, num_processes, process_id) -> dict | N
   return given
 
 
+def _line(message) -> str:
+  """The error's one line, "train: " first unless it names the trainer already ("train: ", "train config: ")."""
+  text = cli_lib.one_line(message)
+  return text if text.startswith(("train:", "train config:")) else "train: " + text
+
+
 def fail(message: str):
   """Ends the command with `message` as one line on stderr, exit status 1."""
-  text = " ".join(message.split())
-  sys.stderr.write(("" if text.startswith("train") else "train: ") + text + "\n")
-  sys.stderr.flush()
-  sys.exit(1)
+  cli_lib.fail(_line(message), 1, prefix="")
 
 
 def _unknown_field(error: KeyError, args: list[str]) -> str:
@@ -127,21 +135,31 @@ def main(argv):
     configs.validate(config)
   except ValueError as e:
     fail(str(e))
-  explicit = distributed_args(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  try:
+    explicit = distributed_args(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except app.UsageError as e:
+    fail(str(e))
   if explicit is not None:
     jax.distributed.initialize(**explicit)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
+  distributed = explicit is not None or _DISTRIBUTED.value
   try:
     result = run(config, workdir)
     if jax.process_index() == 0:
       print(describe(result.summary, workdir), flush=True)
-  except BaseException:
-    if explicit is None and not _DISTRIBUTED.value:
+  except BaseException as e:
+    user_error = isinstance(e, cli_lib.user_errors()) and not cli_lib.debug()
+    if not distributed:
+      if user_error:
+        fail(e)
       raise
     # The others may wait in a collective with this process: exiting normally would first wait for them at the
     # distributed runtime's shutdown barrier (minutes). Exiting at once fails their collectives instead.
-    traceback.print_exc()
+    if user_error:
+      sys.stderr.write(_line(e) + "\n")
+    else:
+      traceback.print_exc()
     sys.stderr.flush()
     os._exit(1)
 

@@ -26,7 +26,8 @@ Fields (every one overridable from the command line):
                 every time (`loop.eval_batches`); logged as eval_loss, eval_perplexity and eval_tokens
   eval_batches  batches per evaluation
   keep_checkpoints, async_checkpoint, seed, progress
-  optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr), b1, b2, eps, weight_decay, clip
+  optimizer     lr, warmup_steps, min_lr_ratio (cosine floor ÷ lr, in [0, 1]), b1, b2, eps, weight_decay, clip
+                (the global norm gradients are clipped to, > 0)
   mesh          data, fsdp, context, tensor: device counts per axis; one of them may be -1 (the rest of the
                 devices). context > 1 splits every row's positions (context parallelism; it divides seq_len)
   data          `osdn_jax.data.make_pipeline`'s fields: source, path, tokenizer, vocab_size, text_dir, split,
@@ -202,6 +203,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for field in ("lr", "b1", "b2", "eps", "weight_decay", "clip", "min_lr_ratio"):
     if not isinstance(o[field], (int, float)) or not math.isfinite(o[field]) or o[field] < 0:
       raise ValueError(f"train config: `optimizer.{field}` must be a finite number ≥ 0, got {o[field]!r}")
+  if o.clip <= 0:
+    raise ValueError(f"train config: `optimizer.clip` must be > 0 (the global norm gradients are clipped to; 0 "
+                     f"scales every update to 0, so nothing trains), got {o.clip!r}")
+  if o.min_lr_ratio > 1:
+    raise ValueError(f"train config: `optimizer.min_lr_ratio` must lie in [0, 1] (the cosine's floor ÷ lr), got "
+                     f"{o.min_lr_ratio!r}")
   if not 0 <= o.b1 < 1 or not 0 <= o.b2 < 1:
     raise ValueError(f"train config: `optimizer.b1` and `optimizer.b2` must lie in [0, 1), got {o.b1}, {o.b2}")
   _int(o, "warmup_steps", minimum=0)
