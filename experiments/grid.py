@@ -6,15 +6,16 @@ its test accuracy, its learning curve (training loss and test accuracy every `ev
 per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
 a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from
 its state saved under OUT/partial/ at its last curve point (on the machine that saved it: the state is not
-committed). `--report` merges every cell file of OUT into one table per cut, one figure of the cuts (grid.png) and the
-learning curves (curves.png).
+committed). `--report` merges every cell file of OUT into one table per cut and protocol, one figure of the cuts
+(grid.png) and the learning curves (curves.png) of the main protocol.
 
 The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
 states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them
 (`jax.vmap` over the trainer's own step, `osdn_jax.train.step.make_train_step`, with the trainer's optimiser
 `osdn_jax.train.optim.make` at each cell's learning rate and the trainer's loss on the scored positions). The
 training rows live on the device (zoology's generator, `osdn_jax.data.MQARSource`, seeded by the cell's seed as the
-trainer seeds it), and each epoch visits them in a new order.
+trainer seeds it), and each step's rows are drawn from them with replacement (`--order=replacement`, the default) or
+in a new permutation every epoch (`--order=epoch`); docs/experiments.md says why the order matters.
 
   python -m experiments.grid --cut=c --variants=dn,pdn,gdn,pgdn --seeds=0,1      # train the missing cells
   python -m experiments.grid --cut=c --variants=dn --budget_s=600                # stop starting groups after 10 min
@@ -31,13 +32,15 @@ import hashlib
 import json
 import math
 import pathlib
+import tempfile
 import time
+import zipfile
 from concurrent import futures
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from experiments import common, mqar
@@ -59,24 +62,38 @@ PAPER_C = {"dn": (99, 99, 85, 46), "pdn": (99, 98, 97, 49), "gdn": (96, 0, 70, 0
 
 @dataclasses.dataclass(frozen=True)
 class Protocol:
-  """What every cell of a sweep shares. A finished cell is reused only when all of it matches."""
-  steps: int = 6000
+  """What every cell of a sweep shares. A finished cell is reused only when all of it matches. The defaults are the
+  MQAR protocol (docs/experiments.md): 3000 steps of 64 rows drawn with replacement from 20,000 distinct rows."""
+  steps: int = 3000
   batch_size: int = 64
   vocab_size: int = 8192
   size: str = "mqar"
-  train_examples: int = 100_000
+  train_examples: int = 20_000
   test_examples: int = 1000
   dtype: str = "float32"
   implementation: str = "auto"
   eval_every: int = 500
   reads: int = 1
+  order: str = "replacement"
+
+  def __post_init__(self):
+    if self.order not in ORDERS:
+      raise ValueError(f"Protocol: `order` must be one of {ORDERS}, got {self.order!r}")
+
+  def identity(self) -> dict:
+    """The fields a cell's file name hashes and `done` compares: every field, less `order` at "epoch" (the order
+    the grid used before it had the field, so those cells keep their names)."""
+    fields = dataclasses.asdict(self)
+    if fields["order"] == "epoch":
+      del fields["order"]
+    return fields
 
   def sweep(self, variant: str, length: int, kv: int) -> mqar.Sweep:
     """The `experiments.mqar` sweep whose trainer config this cell trains (one length, one kv)."""
     return mqar.Sweep(variants=(variant,), lengths=(length,), kv=(kv,), lrs=(1e-3,), steps=self.steps,
                       batch_size=self.batch_size, size=self.size, vocab_size=self.vocab_size,
                       train_examples=self.train_examples, test_examples=self.test_examples,
-                      implementation=self.implementation, dtype=self.dtype, reads=self.reads)
+                      implementation=self.implementation, dtype=self.dtype, reads=self.reads, order=self.order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +106,7 @@ class Cell:
 
   def name(self, protocol: Protocol) -> str:
     """A file name that says the cell and hashes the whole protocol."""
-    identity = json.dumps([dataclasses.asdict(self), dataclasses.asdict(protocol)], sort_keys=True)
+    identity = json.dumps([dataclasses.asdict(self), protocol.identity()], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
     return f"{mqar.run_name(self.variant, self.length, self.kv, self.lr, protocol.reads)}_s{self.seed}_{digest}"
 
@@ -103,8 +120,37 @@ def done(out, protocol: Protocol, cell: Cell) -> bool:
   path = pathlib.Path(out) / f"{cell.name(protocol)}.json"
   if not path.is_file():
     return False
-  saved = json.loads(path.read_text())
-  return saved.get("cell") == dataclasses.asdict(cell) and saved.get("protocol") == dataclasses.asdict(protocol)
+  saved = _read_cell(path)
+  return (saved is not None and saved.get("cell") == dataclasses.asdict(cell)
+          and saved.get("protocol") == dataclasses.asdict(protocol))
+
+
+def _set_aside(path: pathlib.Path, why, log=print) -> pathlib.Path:
+  """Renames a damaged file to `<name>.damaged[-n]` beside it (kept for inspection) and says so."""
+  target, n = path.with_name(path.name + ".damaged"), 1
+  while target.exists():
+    target, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+  path.replace(target)
+  log(f"warning: {path} is damaged ({why}); moved to {target.name}")
+  return target
+
+
+def _read_cell(path: pathlib.Path, log=print) -> dict | None:
+  """A cell file's result (`_with_order`), or None for a file that is not one (a result file of another kind);
+  a file that cannot be read as JSON is damaged: set aside, None."""
+  try:
+    result = json.loads(path.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    _set_aside(path, e, log)
+    return None
+  return _with_order(result) if isinstance(result, dict) else None
+
+
+def _with_order(result: dict) -> dict:
+  """A cell file's result with its protocol's `order` filled in ("epoch" for files written before the field)."""
+  if isinstance(result.get("protocol"), dict):
+    result["protocol"] = {"order": "epoch", **result["protocol"]}
+  return result
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
@@ -132,6 +178,26 @@ def epoch_order(seed: int, rows: int, steps: int, batch: int) -> np.ndarray:
   epochs = -(-steps // per_epoch)
   order = np.concatenate([rng.permutation(rows)[:per_epoch * batch] for _ in range(epochs)])
   return order[:steps * batch].reshape(steps, batch).astype(np.int32)
+
+
+def replacement_order(seed: int, rows: int, steps: int, batch: int) -> np.ndarray:
+  """int32 [steps, batch]: the rows of each step, each drawn uniformly from all rows, independently of every other
+  draw (with replacement: a row may recur at any distance, within a batch too)."""
+  rng = np.random.default_rng([seed, 0x7277])
+  return rng.integers(0, rows, (steps, batch), dtype=np.int64).astype(np.int32)
+
+
+ORDERS = ("epoch", "replacement")
+
+
+def row_order(order: str, seed: int, rows: int, steps: int, batch: int) -> np.ndarray:
+  """int32 [steps, batch]: the training rows of each step in the named order ("epoch": `epoch_order`,
+  "replacement": `replacement_order`)."""
+  if order == "epoch":
+    return epoch_order(seed, rows, steps, batch)
+  if order == "replacement":
+    return replacement_order(seed, rows, steps, batch)
+  raise ValueError(f"row_order: `order` must be one of {ORDERS}, got {order!r}")
 
 
 def _batch(tokens, labels, rows):
@@ -226,7 +292,7 @@ class Group:
     put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
     tokens = put([self.data[c.seed][0][0] for c in cells])
     labels = put([self.data[c.seed][0][1] for c in cells])
-    orders = np.stack([epoch_order(c.seed, p.train_examples, p.steps, p.batch_size) for c in cells], axis=1)
+    orders = np.stack([row_order(p.order, c.seed, p.train_examples, p.steps, p.batch_size) for c in cells], axis=1)
     return states, tokens, labels, orders, jnp.asarray([c.lr for c in cells], jnp.float32)
 
   def losses(self, steps: int) -> np.ndarray:
@@ -249,7 +315,7 @@ class Group:
     tests = (put([self.data[c.seed][1][0] for c in cells]), put([self.data[c.seed][1][1] for c in cells]))
     curves = [[] for _ in cells]
     losses, step, times = [], 0, []
-    if partial is not None and (saved := _load_partial(partial, states)) is not None:
+    if partial is not None and (saved := _load_partial(partial, states, log)) is not None:
       states, step, curves = saved
       log(f"  resumed at step {step}")
     while step < p.steps:
@@ -305,19 +371,27 @@ def _save_partial(prefix: pathlib.Path, states, step: int, curves) -> None:
   meta.with_suffix(".tmp").replace(meta)
 
 
-def _load_partial(prefix: pathlib.Path, like):
-  """(states, step, curves) saved by `_save_partial` for states shaped like `like`, or None."""
+def _load_partial(prefix: pathlib.Path, like, log=print):
+  """(states, step, curves) saved by `_save_partial` for states shaped like `like`, or None. A saved state that
+  cannot be read is damaged: its files are set aside with a warning, and the group starts from step 0."""
   arrays, meta = _partial_files(prefix)
   if not (arrays.is_file() and meta.is_file()):
     return None
-  saved = json.loads(meta.read_text())
-  with np.load(arrays) as data:
-    leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+  try:
+    saved = json.loads(meta.read_text())
+    with np.load(arrays) as data:
+      leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+    step, curves = int(saved["step"]), saved["curves"]
+  except (ValueError, UnicodeDecodeError, OSError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as e:
+    for path in (arrays, meta):
+      _set_aside(path, e, log)
+    log(f"warning: the group's saved state {prefix} is damaged; it restarts from step 0")
+    return None
   ref, treedef = jax.tree.flatten(like)
   if len(leaves) != len(ref) or any(a.shape != b.shape for a, b in zip(leaves, ref)):
     return None
   states = jax.tree.unflatten(treedef, [jnp.asarray(a, b.dtype) for a, b in zip(leaves, ref)])
-  return states, saved["step"], saved["curves"]
+  return states, step, curves
 
 
 def groups(cells: list[Cell]) -> list[list[Cell]]:
@@ -360,10 +434,10 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
 
 # --- report ---------------------------------------------------------------------------------------------------------
 
-def read_cells(out) -> list[dict]:
-  """The result of every cell file in OUT."""
-  payloads = [json.loads(p.read_text()) for p in sorted(pathlib.Path(out).glob("*.json"))]
-  return [r for r in payloads if isinstance(r, dict) and "cell" in r]
+def read_cells(out, log=print) -> list[dict]:
+  """The result of every cell file in OUT (a damaged one is set aside with a warning: `_read_cell`)."""
+  payloads = [_read_cell(p, log) for p in sorted(pathlib.Path(out).glob("*.json"))]
+  return [r for r in payloads if r is not None and "cell" in r]
 
 
 def best(results: list[dict]) -> dict:
@@ -395,20 +469,42 @@ def _entry(b) -> str:
   return text
 
 
-def report(out, variants=None) -> str:
-  """Markdown: one table per cut (best learning rate, mean over seeds with each seed's value in brackets; cut (c)
-  with the PDN paper's values beside), the read-twice gains, OUT/grid.png and OUT/curves.png; the cells of the
-  most common protocol with reads = 1 are reported, and their read-twice counterparts."""
-  results = read_cells(out)
+def report(out, variants=None, log=print) -> str:
+  """Markdown: for every protocol of the cells with reads = 1, one table per cut (best learning rate, mean over
+  seeds with each seed's value in brackets; cut (c) with the PDN paper's values beside), the read-twice gains and
+  the other cells; OUT/grid.png and OUT/curves.png of the main protocol. The main protocol is the one with the
+  most cells among those drawing rows with replacement (else among all); it is reported first."""
+  results = read_cells(out, log)
   if not results:
     return "no cells in " + str(out) + "\n"
   protocols = [json.dumps(r["protocol"], sort_keys=True) for r in results]
   once = [k for k in protocols if json.loads(k).get("reads", 1) == 1] or protocols
-  main = max(set(once), key=once.count)
-  chosen = {k[:3]: v for k, v in best(results).items() if k[3] == main}
+  ranked = sorted(set(once), key=lambda k: (json.loads(k)["order"] != "replacement", -once.count(k), k))
   variants = variants or common.union([[r["cell"]["variant"] for r in results]])
-  p = json.loads(main)
-  text = []
+  chosen_by = {key: {k[:3]: v for k, v in best(results).items() if k[3] == key} for key in ranked}
+  sections = [_protocol_section(results, json.loads(key), chosen_by[key], variants) for key in ranked]
+  main = ranked[0]
+  fig = _figure(chosen_by[main], variants)
+  if fig is not None:
+    fig.savefig(pathlib.Path(out) / "grid.png", dpi=110, bbox_inches="tight")
+  curves = _curves([r for r, key in zip(results, protocols) if key == main], variants)
+  curves.savefig(pathlib.Path(out) / "curves.png", dpi=110, bbox_inches="tight")
+  return "\n".join(sections)
+
+
+def describe(p: dict) -> str:
+  """One line of a protocol's settings."""
+  order = ("drawn with replacement" if p["order"] == "replacement" else "in epoch order (a new permutation every "
+           "epoch)")
+  return (f"{p['steps']} steps of {p['batch_size']} rows {order} from {p['train_examples']} distinct training rows, "
+          f"model size `{p['size']}`, vocabulary {p['vocab_size']}, {p['dtype']}; accuracy (%) on "
+          f"{p['test_examples']} test rows")
+
+
+def _protocol_section(results: list[dict], p: dict, chosen: dict, variants) -> str:
+  """The tables of one protocol's cells (`report`)."""
+  text = [f"## {describe(p)}\n\nThe best learning rate per cell (by the mean over seeds; each seed's value in "
+          "brackets). – : not run yet.\n"]
   for cut, pairs in CUTS.items():
     present = [v for v in variants if any((v, length, kv) in chosen for length, kv in pairs)]
     if not present:
@@ -429,18 +525,10 @@ def report(out, variants=None) -> str:
   others = sorted({k[1:] for k in chosen} - in_cuts)
   if others:
     header = ["variant"] + [f"L={length} kv={kv}" for length, kv in others]
-    rows = [[v] + [_entry(chosen.get((v, length, kv))) for length, kv in others] for v in variants]
+    rows = [[v] + [_entry(chosen.get((v, length, kv))) for length, kv in others] for v in variants
+            if any((v,) + pair in chosen for pair in others)]
     text.append("Other cells:\n\n" + common.markdown_table(header, rows))
-  note = (f"\nAccuracy (%) on {p['test_examples']} test rows; the best learning rate per cell (by the mean over "
-          f"seeds; each seed's value in brackets); {p['steps']} steps of {p['batch_size']} rows, model size "
-          f"`{p['size']}`, vocabulary {p['vocab_size']}, {p['dtype']}, {p['train_examples']} training rows. "
-          "– : not run yet.\n")
-  fig = _figure(chosen, variants)
-  if fig is not None:
-    fig.savefig(pathlib.Path(out) / "grid.png", dpi=110, bbox_inches="tight")
-  curves = _curves([r for r, key in zip(results, protocols) if key == main], variants)
-  curves.savefig(pathlib.Path(out) / "curves.png", dpi=110, bbox_inches="tight")
-  return "\n".join(text) + note
+  return "\n".join(text)
 
 
 def _read_twice(results: list[dict], main: dict) -> str:
@@ -533,23 +621,34 @@ def define_flags():
   flags.DEFINE_enum("implementation", Protocol.implementation, dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_integer("eval_every", Protocol.eval_every, "steps between points of the learning curve")
   flags.DEFINE_integer("reads", Protocol.reads, "times the kv block is read before the queries (1 or 2)")
+  flags.DEFINE_enum("order", Protocol.order, ORDERS, "the training rows' order: a new permutation every epoch, or "
+                    "each row drawn with replacement")
   flags.DEFINE_float("budget_s", 0.0, "start no group after this many seconds (0: no limit)")
   flags.DEFINE_integer("max_cells", 0, "cells per program at most (0: a whole group)")
   flags.DEFINE_integer("workers", 0, "processes drawing the training rows (0: this one)")
   flags.DEFINE_bool("report", False, "write the tables and figure of the cells in OUT, training nothing")
   flags.DEFINE_bool("smoke", False, "the CI size")
-  flags.DEFINE_string("out", "docs/results/mqar", "the cells' directory")
+  flags.DEFINE_string("out", "docs/results/mqar", "the cells' directory (with --smoke: a new temporary one unless "
+                      "given)")
+
+
+def smoke_out(out: str, explicit: bool) -> str:
+  """Where a `--smoke` run writes: `--out` when given, else a new temporary directory (never the committed cells)."""
+  return out if explicit else tempfile.mkdtemp(prefix="grid-smoke-")
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
+  out = f.out
   if f.smoke:
     protocol, variants, pairs, lrs, seeds = (SMOKE[k] for k in ("protocol", "variants", "pairs", "lrs", "seeds"))
+    out = smoke_out(f.out, flags.FLAGS["out"].present)
+    print(f"smoke run: cells in {out}")
   else:
     protocol = Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
                         train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                        implementation=f.implementation, eval_every=f.eval_every, reads=f.reads)
+                        implementation=f.implementation, eval_every=f.eval_every, reads=f.reads, order=f.order)
     variants = tuple(f.variants)
     pairs = (cli.items("pairs", f.pairs, cli.int_pair, "L:kv, two ints such as 256:64") if f.pairs
              else tuple(dict.fromkeys(pair for cut in cli.choices("cut", f.cut, sorted(CUTS)) for pair in CUTS[cut])))
@@ -557,10 +656,10 @@ def main(argv):
   for v in variants:
     common.parse_variant(v)
   if not f.report:
-    sweep(protocol, cells_of(variants, pairs, lrs, seeds), f.out, budget_s=f.budget_s, max_cells=f.max_cells,
+    sweep(protocol, cells_of(variants, pairs, lrs, seeds), out, budget_s=f.budget_s, max_cells=f.max_cells,
           workers=f.workers)
-  text = report(f.out)
-  (pathlib.Path(f.out) / "grid.md").write_text(text)
+  text = report(out)
+  (pathlib.Path(out) / "grid.md").write_text(text)
   print(text)
 
 

@@ -46,9 +46,10 @@ class Sweep:
   batch_size: int = 64
   size: str = "mqar"
   vocab_size: int = 8192
-  train_examples: int = 100_000
+  train_examples: int = 20_000
   test_examples: int = 1000
   reads: int = 1
+  order: str = "replacement"
   train_kv: int = 0
   seed: int = 0
   implementation: str = "auto"
@@ -81,6 +82,7 @@ class Sweep:
     c.data.mqar_pairs = kv
     c.data.mqar_reads = self.reads
     c.data.num_records = self.train_examples
+    c.data.order = self.order
     return c
 
   def test_source(self, length: int, kv: int) -> MQARSource:
@@ -240,6 +242,7 @@ def define_flags(defaults: Sweep):
   flags.DEFINE_integer("vocab_size", defaults.vocab_size, "MQAR vocabulary")
   flags.DEFINE_integer("train_examples", defaults.train_examples, "distinct training rows per cell")
   flags.DEFINE_integer("test_examples", defaults.test_examples, "test rows per cell")
+  flags.DEFINE_enum("order", defaults.order, ["epoch", "replacement"], "the training rows' order (data.order)")
   flags.DEFINE_integer("train_kv", defaults.train_kv, "0: a model per (L, kv); N: one per L trained at N pairs")
   flags.DEFINE_integer("seed", defaults.seed, "initialisation and data seed")
   flags.DEFINE_enum("implementation", defaults.implementation, dispatch.NAMES, "the ops' implementation")
@@ -260,7 +263,7 @@ def sweep_from_flags(**fixed) -> Sweep:
     return Sweep(variants=tuple(f.variants), lengths=lengths, kv=kv, lrs=lrs, steps=f.steps, batch_size=f.batch_size,
                  size=f.size, vocab_size=f.vocab_size, train_examples=f.train_examples,
                  test_examples=f.test_examples, train_kv=f.train_kv, seed=f.seed, implementation=f.implementation,
-                 dtype=f.dtype, **fixed)
+                 dtype=f.dtype, order=f.order, **fixed)
 
 
 def merged(payloads: list[dict]) -> tuple[Sweep, list[dict]]:

@@ -1,9 +1,10 @@
 """The MQAR oracle: the simplest independent training loop over the public model API, to reproduce a cell of the
 trainer's experiments (`experiments.mqar`, `experiments.grid`) with nothing of the trainer in it.
 
-It builds the model with `osdn_jax.models.build`, draws rows from zoology's generator (`osdn_jax.data.MQARSource`,
-the training rows sampled with replacement), and trains with plain optax AdamW (weight decay 0.1 on every
-parameter, a 10 % linear warm-up then cosine to 0, no clipping) on the full logits' cross-entropy at the labelled
+It builds the model with `osdn_jax.models.build`, draws rows from zoology's generator (`osdn_jax.data.MQARSource`),
+picks each step's training rows with its own sampler (`--order=replacement`, the default: every row drawn
+independently; `--order=epoch`: a new permutation every epoch; 20,000 rows by default), and trains with plain
+optax AdamW (weight decay 0.1 on every parameter, a 10 % linear warm-up then cosine to 0, no clipping) on the full logits' cross-entropy at the labelled
 positions. Accuracy is measured on test rows drawn with another seed, as the experiments draw them. `--reads=2`
 trains and tests on the read-twice rows (the kv block written twice before the queries), as `grid --reads=2` does.
 `--optimizer=trainer` trains with the grid's optimiser instead (the trainer's `mqar` config: weight decay on the
@@ -11,6 +12,10 @@ matrices, b2 0.95, clip 1.0, a warm-up of min(50, steps/10)), everything else as
 effect from the rest of the two paths.
 
   python -m experiments.mqar_oracle --variant=dn --length=256 --kv=64 --lr=3e-3 --steps=1500
+
+Its result also holds `by_age`: the mean training loss of the rows drawn between two curve points, by the steps
+since each row was last drawn, which shows how much of the loss is memory of recently seen rows.
+`--recurrence` prints how the rows of an order recur (`recurrence`) and trains nothing.
 
 `--follow=N` checks the grid's training path step by step instead: the first N steps of a grid cell (its rows in
 its order, `experiments.grid`) run through the grid's vmapped trainer step and through this loop's step, with one
@@ -55,23 +60,74 @@ def trainer_optimizer(variant, length, kv, lr, steps: int) -> optax.GradientTran
 
 
 def loss(graph, params, x, y):
-  """Mean cross-entropy of the full logits at the labelled positions of tokens x [B, L] (labels y, IGNORE
-  elsewhere)."""
+  """(mean cross-entropy of the full logits at the labelled positions of tokens x [B, L] (labels y, IGNORE
+  elsewhere), each row's own mean [B])."""
   logits = nnx.merge(graph, params)(x)
   scored = y != IGNORE
   logp = jax.nn.log_softmax(logits)
   nll = -jnp.take_along_axis(logp, jnp.where(scored, y, 0)[..., None], -1)[..., 0]
-  return jnp.sum(nll * scored) / jnp.sum(scored)
+  per_row = jnp.sum(nll * scored, -1) / jnp.maximum(jnp.sum(scored, -1), 1)
+  return jnp.sum(nll * scored) / jnp.sum(scored), per_row
 
 
 def make_step(graph, tx):
-  """(params, opt_state, x, y) → (params, opt_state, loss), jitted."""
+  """(params, opt_state, x, y) → (params, opt_state, loss, per-row loss [B]), jitted."""
   @jax.jit
   def step(params, opt_state, x, y):
-    value, grads = jax.value_and_grad(lambda p: loss(graph, p, x, y))(params)
+    (value, per_row), grads = jax.value_and_grad(lambda p: loss(graph, p, x, y), has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    return optax.apply_updates(params, updates), opt_state, value, per_row
   return step
+
+
+ORDERS = ("replacement", "epoch")
+
+
+def draw(order: str, seed: int, rows: int, steps: int, batch: int) -> np.ndarray:
+  """int [steps, batch]: the training rows of each step. "replacement": every row drawn uniformly and independently
+  (a row recurs at any distance); "epoch": the rows of a new random permutation every epoch, one after another
+  (a batch may span two epochs)."""
+  rng = np.random.default_rng(seed)
+  if order == "replacement":
+    return np.stack([rng.integers(0, rows, batch) for _ in range(steps)])
+  if order == "epoch":
+    stream = np.concatenate([rng.permutation(rows) for _ in range(-(-steps * batch // rows))])
+    return stream[:steps * batch].reshape(steps, batch)
+  raise ValueError(f"draw: `order` must be one of {ORDERS}, got {order!r}")
+
+
+# Ages of a drawn row: steps since that row was last drawn (0: never before). Upper bounds of the buckets.
+AGES = (("first", 0), ("1-10", 10), ("11-100", 100), ("101-1000", 1000), (">1000", None))
+
+
+def age_bucket(age: int) -> int:
+  """The index in AGES of a row drawn `age` steps after its last draw (0: its first draw)."""
+  if age == 0:
+    return 0
+  for i, (_, top) in enumerate(AGES[1:], 1):
+    if top is None or age <= top:
+      return i
+  raise AssertionError(age)
+
+
+def recurrence(order: np.ndarray, windows=(1, 10, 100, 1000)) -> dict:
+  """How the rows of an order [steps, batch] recur: {"within_w": fraction of draws whose row was drawn in the w
+  steps before (w in windows), "draws_per_row": (min, median, max) over the rows drawn, "never_drawn": rows of
+  0 … max index never drawn, "duplicate_in_batch": fraction of draws repeating a row of the same step}."""
+  last, ages, dup = {}, [], 0
+  for s, rows in enumerate(order, 1):
+    seen = set()
+    for r in rows.tolist():
+      dup += r in seen
+      seen.add(r)
+      ages.append(s - last[r] if r in last else 0)
+    for r in rows.tolist():
+      last[r] = s
+  ages = np.asarray(ages)
+  counts = np.bincount(order.ravel())
+  return dict(within_w={str(w): float(np.mean((ages > 0) & (ages <= w))) for w in windows},
+              draws_per_row=(int(counts.min()), float(np.median(counts)), int(counts.max())),
+              never_drawn=int(np.sum(counts == 0)), duplicate_in_batch=dup / order.size)
 
 
 def build(variant, vocab_size, size, implementation, dtype, seed):
@@ -82,13 +138,15 @@ def build(variant, vocab_size, size, implementation, dtype, seed):
 
 def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3, steps: int = 1500,
           batch_size: int = 64, seed: int = 0, vocab_size: int = 8192, size: str = "mqar",
-          train_examples: int = 100_000, test_examples: int = 1000, implementation: str = "auto",
+          train_examples: int = 20_000, test_examples: int = 1000, implementation: str = "auto",
           dtype: str = "float32", reads: int = 1, evals: int = 5, optimizer_name: str = "oracle",
-          log=print) -> dict:
-  """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "steps_per_s"}. reads: times the
-  kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens). optimizer_name: "oracle"
-  (`optimizer`) or "trainer" (the optimiser of the grid's cell config, `trainer_optimizer`), everything else
-  this loop's own."""
+          order: str = "replacement", log=print) -> dict:
+  """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "by_age", "steps_per_s"}. reads:
+  times the kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens). optimizer_name:
+  "oracle" (`optimizer`) or "trainer" (the optimiser of the grid's cell config, `trainer_optimizer`), everything
+  else this loop's own. order: the training rows' order (`draw`). by_age: per curve point, the mean training loss
+  of the rows drawn since the last point by their age (`AGES`: steps since the row was last drawn) and their count,
+  {bucket: (mean loss, draws)}."""
   if optimizer_name not in ("oracle", "trainer"):
     raise ValueError(f"train: `optimizer_name` must be 'oracle' or 'trainer', got {optimizer_name!r}")
   graph, params = build(variant, vocab_size, size, implementation, dtype, seed)
@@ -106,6 +164,7 @@ def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3
                           context_reads=reads)
   test_rows = MQARSource(vocab_size=vocab_size, length=length, num_pairs=kv, num_records=test_examples,
                          seed=seed + 1_000_003, context_reads=reads)
+  train_x, train_y = rows(train_rows, range(train_examples))
   test_x, test_y = rows(test_rows, range(test_examples))
 
   def accuracy(params):
@@ -115,16 +174,26 @@ def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3
       hits, total = hits + int(c), total + int(t)
     return hits / total
 
-  rng = np.random.default_rng(seed)
-  curve, start = [], time.perf_counter()
+  order_rows = draw(order, seed, train_examples, steps, batch_size)
+  last_drawn = np.zeros(train_examples, np.int64)   # the step of each row's last draw (0: never)
+  sums, counts = np.zeros(len(AGES)), np.zeros(len(AGES), np.int64)
+  curve, by_age, start = [], [], time.perf_counter()
   every = max(1, steps // evals)
   for s in range(1, steps + 1):
-    x, y = rows(train_rows, rng.integers(0, train_examples, batch_size))
-    params, opt_state, value = step(params, opt_state, x, y)
+    picked = order_rows[s - 1]
+    params, opt_state, value, per_row = step(params, opt_state, train_x[picked], train_y[picked])
+    buckets = [age_bucket(s - last_drawn[r] if last_drawn[r] else 0) for r in picked]
+    np.add.at(sums, buckets, np.asarray(per_row, np.float64))
+    np.add.at(counts, buckets, 1)
+    last_drawn[picked] = s
     if s % every == 0 or s == steps:
       curve.append((s, float(value), accuracy(params)))
+      by_age.append(dict(step=s, **{name: (float(sums[i] / counts[i]) if counts[i] else None, int(counts[i]))
+                                    for i, (name, _) in enumerate(AGES)}))
+      sums[:], counts[:] = 0, 0
       log(f"step {s}: loss {curve[-1][1]:.3f}, accuracy {100 * curve[-1][2]:.1f}%")
-  return dict(accuracy=curve[-1][2], curve=curve, steps_per_s=steps / (time.perf_counter() - start))
+  return dict(accuracy=curve[-1][2], curve=curve, by_age=by_age, order=order, train_examples=train_examples,
+              steps_per_s=steps / (time.perf_counter() - start))
 
 
 def follow(protocol, cell, steps: int, optimizer_name: str = "oracle", workers: int = 0) -> dict:
@@ -146,10 +215,10 @@ def follow(protocol, cell, steps: int, optimizer_name: str = "oracle", workers: 
                         cell.seed)
   step, opt_state = make_step(graph, tx), tx.init(params)
   inputs, labels = group.data[cell.seed][0]
-  order = grid.epoch_order(cell.seed, protocol.train_examples, protocol.steps, protocol.batch_size)
+  order = grid.row_order(protocol.order, cell.seed, protocol.train_examples, protocol.steps, protocol.batch_size)
   plain = []
   for s in range(steps):
-    params, opt_state, value = step(params, opt_state, inputs[order[s]], labels[order[s]])
+    params, opt_state, value, _ = step(params, opt_state, inputs[order[s]], labels[order[s]])
     plain.append(float(value))
   plain = np.asarray(plain)
   rel = np.abs(on_grid - plain) / np.maximum(np.abs(plain), 1e-30)
@@ -168,7 +237,7 @@ def define_flags():
   flags.DEFINE_integer("seed", 0, "initialisation and data seed")
   flags.DEFINE_integer("vocab_size", 8192, "vocabulary")
   flags.DEFINE_string("size", "mqar", "model size")
-  flags.DEFINE_integer("train_examples", 100_000, "distinct training rows")
+  flags.DEFINE_integer("train_examples", 20_000, "distinct training rows")
   flags.DEFINE_integer("test_examples", 1000, "test rows")
   flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_string("dtype", "float32", "compute dtype")
@@ -177,16 +246,22 @@ def define_flags():
   flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"],
                     "this loop's AdamW or the grid's (trainer config); with --follow, of both paths")
   flags.DEFINE_integer("workers", 0, "with --follow: processes drawing the grid's training rows")
+  flags.DEFINE_enum("order", "replacement", ORDERS, "the training rows' order (`draw`; with --follow: the grid's)")
+  flags.DEFINE_integer("evals", 5, "points of the learning curve")
+  flags.DEFINE_bool("recurrence", False, "print how the rows of --order recur (`recurrence`), training nothing")
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
+  if f.recurrence:
+    print(json.dumps(recurrence(draw(f.order, f.seed, f.train_examples, f.steps, f.batch_size))))
+    return
   if f.follow:
     from experiments import grid
     protocol = grid.Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
                              train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                             implementation=f.implementation, eval_every=f.steps, reads=f.reads)
+                             implementation=f.implementation, eval_every=f.steps, reads=f.reads, order=f.order)
     result = follow(protocol, grid.Cell(f.variant, f.length, f.kv, f.lr, f.seed), f.follow, f.optimizer,
                     workers=f.workers)
     at = sorted({n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow} | {f.follow})
@@ -195,7 +270,7 @@ def main(argv):
     return
   result = train(f.variant, f.length, f.kv, f.lr, f.steps, f.batch_size, f.seed,
                  f.vocab_size, f.size, f.train_examples, f.test_examples, implementation=f.implementation,
-                 dtype=f.dtype, reads=f.reads, optimizer_name=f.optimizer)
+                 dtype=f.dtype, reads=f.reads, evals=f.evals, optimizer_name=f.optimizer, order=f.order)
   print(json.dumps(result))
 
 

@@ -48,6 +48,9 @@ Config fields (a mapping or `ml_collections.ConfigDict`; a missing field takes i
                 prepared split ("all": train, then validation)
   block_chars   the text source's block size (`sources.TextSource`; 0: whole documents)
   num_records   distinct records of "random", "mqar" and "passkey" (one epoch)
+  order         the records' order: "epoch" (a new permutation of all records every epoch) or "replacement"
+                (every record of the stream drawn uniformly and independently from all records, so one recurs at
+                any distance); "replacement" is for the map-style sources, not "text"
   mqar_pairs    key-value pairs per "mqar" row (kv)
   mqar_power    the power law of the query gaps (a)
   mqar_reads    times the kv block is written before the queries (1, or 2: read twice); seq_len is the row's
@@ -73,7 +76,8 @@ from osdn_jax.data import recall, sources, tokenizers, tokens
 SOURCES = ("text", "tokens", "random", "mqar", "passkey")
 DEFAULTS = dict(source="text", path="", tokenizer="byte", vocab_size=256, text_dir="", split="train",
                 block_chars=8192, num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0,
-                passkey_digits=5, prefetch=16)
+                passkey_digits=5, prefetch=16, order="epoch")
+ORDERS = ("epoch", "replacement")
 STATE_VERSION = 2
 # Records are read in the thread that packs and batches them: they are in memory or computed, and cheap.
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -101,6 +105,11 @@ def _fields(cfg) -> dict[str, Any]:
   if f["source"] == "tokens" and not f["path"]:
     raise ValueError("data config: `path` must name the directory of prepared token shards for source = tokens "
                      "(`python -m osdn_jax.data.prepare --input=GLOB --tokenizer=SPEC --out=DIR`)")
+  if f["order"] not in ORDERS:
+    raise ValueError(f"data config: `order` must be one of {', '.join(ORDERS)}, got {f['order']!r}")
+  if f["order"] == "replacement" and f["source"] == "text":
+    raise ValueError("data config: `order` = replacement needs a source whose record is a row (tokens, random, "
+                     "mqar, passkey); the text source's rows come out of a stream of documents")
   if f["split"] not in sources.SPLITS:
     raise ValueError(f"data config: `split` must be one of {', '.join(sources.SPLITS)}, got {f['split']!r}")
   for field, minimum in (("vocab_size", 1), ("num_records", 1), ("mqar_pairs", 1), ("mqar_reads", 1),
@@ -145,6 +154,12 @@ def _shuffle_seed(seed: int) -> int:
   """A 32-bit shuffle seed hashed from the run's seed: grain shuffles epoch e with seed + e, and nearby run seeds
   would otherwise replay one another's epochs."""
   return int(np.random.SeedSequence([seed, 0x5F1E]).generate_state(1)[0])
+
+
+def _drawn(key: int, n: int, size: int) -> int:
+  """The record at position n of a stream drawn with replacement: uniform in [0, size), independent for every n (a
+  counter-based generator keyed by the run's seed, so any position is read without the ones before it)."""
+  return int(np.random.Generator(np.random.Philox(key=key, counter=n)).integers(size))
 
 
 def _finish_labelled(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -330,9 +345,13 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
     source = _recall_source(f, seq_len, seed)
     vocab_size = source.vocab_size
 
-  # The global stream of records: the source shuffled (a new order every epoch), endlessly; the same in every
-  # process.
-  stream = grain.MapDataset.source(source).shuffle(seed=_shuffle_seed(seed)).repeat()
+  # The global stream of records, endless and the same in every process: the source shuffled (a new order every
+  # epoch), or records drawn with replacement.
+  if f["order"] == "epoch":
+    stream = grain.MapDataset.source(source).shuffle(seed=_shuffle_seed(seed)).repeat()
+  else:
+    key, size = _shuffle_seed(seed), len(source)
+    stream = grain.MapDataset.range(2**62).map(lambda n: source[_drawn(key, n, size)])
   finish = _finish_labelled if f["source"] in ("mqar", "passkey") else _finish
   if f["source"] == "text":
     # Rows come out of the concatenated token stream: every process packs every global batch and keeps its rows.
@@ -359,6 +378,8 @@ def make_pipeline(cfg, *, seq_len: int, batch_size: int, seed: int, process_inde
 
   signature = dict(source=f["source"], seq_len=seq_len, batch_size=batch_size, seed=seed, vocab_size=vocab_size,
                    records=len(source))
+  if f["order"] != "epoch":
+    signature.update(order=f["order"])
   if f["source"] == "text":
     signature.update(tokenizer=f["tokenizer"], block_chars=f["block_chars"], split=f["split"])
   elif f["source"] == "tokens":

@@ -32,7 +32,7 @@ Fields (every one overridable from the command line):
                 devices). context > 1 splits every row's positions (context parallelism; it divides seq_len)
   data          `osdn_jax.data.make_pipeline`'s fields: source, path, tokenizer, vocab_size, text_dir, split,
                 block_chars, num_records, mqar_pairs, mqar_power, mqar_reads, passkey_depth, passkey_digits,
-                prefetch
+                prefetch, order
   data.path     source = tokens: the directory of `python -m osdn_jax.data.prepare` (its metadata.json sets the
                 vocabulary; docs/training.md, "Your own corpus")
 """
@@ -83,7 +83,7 @@ def base() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       source="text", path="", tokenizer="bpe", vocab_size=32000, text_dir="", split="train", block_chars=8192,
       num_records=100_000, mqar_pairs=8, mqar_power=0.01, mqar_reads=1, passkey_depth=-1.0, passkey_digits=5,
-      prefetch=16))
+      prefetch=16, order="epoch"))
   return c
 
 
@@ -127,8 +127,9 @@ def recipe_1_3b() -> ml_collections.ConfigDict:
 
 def mqar() -> ml_collections.ConfigDict:
   """MQAR as zoology trains it: 2 mixer + 2 MLP layers of width 128 (`models.SIZES["mqar"]`), vocabulary 8192,
-  rows of 256 tokens with 16 pairs, AdamW (weight decay 0.1) on a cosine schedule to 0, fp32. The loss reads
-  only the scored positions (one per pair)."""
+  rows of 256 tokens with 16 pairs, AdamW (weight decay 0.1) on a cosine schedule to 0, fp32, the training rows
+  20,000 distinct rows drawn with replacement (docs/experiments.md, "The MQAR protocol"). The loss reads only the
+  scored positions (one per pair)."""
   c = base()
   c.model = "gdn-mqar"
   c.dtype = "float32"
@@ -148,6 +149,8 @@ def mqar() -> ml_collections.ConfigDict:
   c.data.source = "mqar"
   c.data.vocab_size = 8192
   c.data.mqar_pairs = 16
+  c.data.num_records = 20_000
+  c.data.order = "replacement"
   c.data.prefetch = 0
   return c
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,24 @@ def test_the_grid_step_is_the_oracle_loops_step(reads):
   assert abs(runs["oracle"]["grid"][-1] - runs["trainer"]["grid"][-1]) > 1e-4
 
 
+def test_the_oracles_orders_and_their_recurrence():
+  """The oracle's own samplers: "epoch" draws every row once per epoch, "replacement" independently; `recurrence`
+  counts how often a drawn row was drawn within the w steps before, and the ages fall in their buckets."""
+  epoch = mqar_oracle.draw("epoch", 0, rows=12, steps=9, batch=4)
+  for e in range(3):
+    assert sorted(epoch[3 * e:3 * e + 3].ravel()) == list(range(12))
+  stats = mqar_oracle.recurrence(np.array([[0, 1], [2, 0], [1, 1], [3, 4]]), windows=(1, 2))
+  # The draws' ages (steps since the row's last draw, 0: first): 0 0 | 0 1 | 2 2 | 0 0.
+  assert stats["within_w"] == {"1": 1 / 8, "2": 3 / 8}
+  assert stats["duplicate_in_batch"] == 1 / 8 and stats["draws_per_row"] == (1, 1.0, 3)
+  drawn = mqar_oracle.recurrence(mqar_oracle.draw("replacement", 0, 2000, 300, 16), windows=(10,))
+  by_epoch = mqar_oracle.recurrence(mqar_oracle.draw("epoch", 0, 2000, 300, 16), windows=(10,))
+  assert drawn["within_w"]["10"] > 10 * by_epoch["within_w"]["10"]
+  assert [mqar_oracle.age_bucket(a) for a in (0, 1, 10, 11, 100, 101, 1000, 1001)] == [0, 1, 1, 2, 2, 3, 3, 4]
+  with pytest.raises(ValueError, match="order"):
+    mqar_oracle.draw("sorted", 0, 10, 2, 2)
+
+
 def test_the_oracles_optimisers():
   """The oracle trains with its own AdamW or the grid's (`trainer_optimizer`, the one `follow` checks against the
   grid's step above); another name is refused before anything is built."""
@@ -86,6 +106,40 @@ def test_epoch_order_visits_every_row_once_per_epoch():
   assert not np.array_equal(order[:3], order[3:6])
 
 
+def test_replacement_order_draws_each_row_independently():
+  """Rows drawn with replacement cover [0, rows), recur at short distances and inside a batch, and are drawn about
+  equally often; the epoch order never repeats a row within an epoch."""
+  order = grid.replacement_order(3, rows=50, steps=400, batch=8)
+  assert order.shape == (400, 8) and order.dtype == np.int32
+  assert order.min() == 0 and order.max() == 49
+  counts = np.bincount(order.ravel(), minlength=50)
+  assert counts.min() > 30 and counts.max() < 100     # 64 draws per row on average
+  assert any(len(set(batch)) < 8 for batch in order)
+  np.testing.assert_array_equal(order, grid.row_order("replacement", 3, 50, 400, 8))
+  np.testing.assert_array_equal(grid.epoch_order(3, 50, 400, 8), grid.row_order("epoch", 3, 50, 400, 8))
+  with pytest.raises(ValueError, match="order"):
+    grid.row_order("shuffled", 3, 50, 400, 8)
+  with pytest.raises(ValueError, match="order"):
+    grid.Protocol(order="shuffled")
+
+
+def test_the_order_is_part_of_a_cells_identity_and_epoch_cells_keep_their_names(tmp_path):
+  """A cell at the epoch order keeps the name it had before the protocol had an order (the committed cells' names
+  are recomputed from their contents), and a cell trained with replacement is another cell."""
+  committed = sorted(pathlib.Path(__file__).parents[2].joinpath("docs/results/mqar").glob("*.json"))
+  assert committed
+  for path in committed[:5]:
+    saved = json.loads(path.read_text())
+    protocol = grid.Protocol(**{"order": "epoch", **saved["protocol"]})
+    assert grid.Cell(**saved["cell"]).name(protocol) == path.stem
+    shutil.copy(path, tmp_path / path.name)
+    assert grid.done(tmp_path, protocol, grid.Cell(**saved["cell"]))
+    drawn = dataclasses.replace(protocol, order="replacement")
+    assert grid.Cell(**saved["cell"]).name(drawn) != path.stem
+    assert not grid.done(tmp_path, drawn, grid.Cell(**saved["cell"]))
+  assert {r["protocol"]["order"] for r in grid.read_cells(tmp_path)} == {"epoch"}
+
+
 def test_sweep_skips_done_cells_and_a_changed_protocol_retrains(tmp_path):
   cells = grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])
   logs = []
@@ -111,6 +165,21 @@ def test_report_takes_the_best_learning_rate_by_its_seeds_mean(tmp_path):
   assert "| dn (paper) | 99 | 99 | 85 | 46 |" in text
   assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_sets_each_protocol_apart_rows_drawn_with_replacement_first(tmp_path):
+  """Cells of two protocols are never mixed: each protocol has its own tables under a heading that says its order,
+  and the one drawing rows with replacement comes first even when the other has more cells."""
+  drawn, by_epoch = dataclasses.replace(TINY, order="replacement"), dataclasses.replace(TINY, order="epoch")
+  for protocol, seeds, acc in ((drawn, [0], 0.9), (by_epoch, [0, 1], 0.1)):
+    for seed in seeds:
+      c = grid.Cell("dn", 1024, 64, 3e-3, seed)
+      (tmp_path / f"{c.name(protocol)}.json").write_text(json.dumps(
+          dict(cell=dataclasses.asdict(c), protocol=dataclasses.asdict(protocol), accuracy=acc, final_loss=1.0,
+               curve=[dict(step=6, loss=1.0, accuracy=acc)])))
+  text = grid.report(tmp_path)
+  first, second = text.index("drawn with replacement"), text.index("in epoch order")
+  assert first < text.index("| dn | – | 90.0 | – | – | 0.003 |") < second < text.index("| dn | – | 10.0 (10.0 / 10.0)")
 
 
 def test_read_twice_cells_train_and_report_their_gain(tmp_path):
@@ -169,3 +238,48 @@ def test_cli_smoke_trains_skips_and_reports(tmp_path):
   assert "| dn |" in (tmp_path / "grid.md").read_text()
   second = run()
   assert "2 of 2 cells done; 0 to train" in second.stdout
+
+
+def test_a_damaged_cell_file_is_named_set_aside_and_retrained(tmp_path):
+  """A truncated cell file does not stop a sweep or a report: it is named in a warning, moved aside (kept, not
+  deleted) and its cell trained again."""
+  cells = grid.cells_of(["dn"], [(16, 2)], [3e-3], [0])
+  path = grid.sweep(TINY, cells, tmp_path, log=lambda *_: None)[0]
+  path.write_text(path.read_text()[:40])
+  logs = []
+  assert grid.report(tmp_path, log=logs.append) == "no cells in " + str(tmp_path) + "\n"
+  assert any(str(path) in line for line in logs)
+  assert not path.exists() and len(list(tmp_path.glob(path.name + ".damaged*"))) == 1
+  assert grid.sweep(TINY, cells, tmp_path, log=logs.append) == [path]
+  assert grid.done(tmp_path, TINY, cells[0])
+
+
+@pytest.mark.parametrize("damage", ["npz", "json"])
+def test_a_damaged_partial_state_restarts_its_group_with_a_warning(tmp_path, damage):
+  cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
+  whole = grid.Group(TINY, cells).run(log=lambda *_: None)
+  prefix = tmp_path / "partial" / "group"
+
+  def stop(message):
+    if "step 3" in message:
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    grid.Group(TINY, cells).run(log=stop, partial=prefix)
+  arrays, meta = prefix.with_suffix(".npz"), prefix.with_suffix(".json")
+  if damage == "npz":
+    arrays.write_bytes(arrays.read_bytes()[:100] + np.random.default_rng(0).bytes(64))
+  else:
+    meta.write_text(meta.read_text()[:10])
+  logs = []
+  again = grid.Group(TINY, cells).run(log=logs.append, partial=prefix)
+  assert any("damaged" in line and str(prefix) in line for line in logs), logs
+  assert [p["loss"] for p in again[0]["curve"]] == [p["loss"] for p in whole[0]["curve"]]
+
+
+def test_smoke_runs_write_outside_the_committed_results(tmp_path, monkeypatch):
+  """`--smoke` without `--out` writes to a new temporary directory, never into docs/results/mqar."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "docs/results/mqar").mkdir(parents=True)
+  out = grid.smoke_out("docs/results/mqar", explicit=False)
+  assert pathlib.Path(out).resolve() != (tmp_path / "docs/results/mqar").resolve()
+  assert grid.smoke_out("/somewhere/else", explicit=True) == "/somewhere/else"
