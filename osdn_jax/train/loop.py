@@ -49,7 +49,7 @@ from osdn_jax import checking, models
 from osdn_jax import data as data_lib
 from osdn_jax.data.pipeline import TokenIdError
 from osdn_jax.train import configs, mesh as mesh_lib, optim
-from osdn_jax.train.checkpoints import Checkpoints
+from osdn_jax.train.checkpoints import UNVERIFIED, Checkpoints, nonfinite_entry
 from osdn_jax.train.metrics import Progress, Writer
 from osdn_jax.train.step import (checked_train_step, graphdef, init_state, make_eval_step, make_train_step,
                                  segments_bound)
@@ -126,7 +126,7 @@ class TrainResult:
   ran), "eval" (the last evaluation's eval_* metrics, with its "step"; None when none ran), "seconds",
   "eval_seconds", "tokens_per_s" (over the steps, evaluations excluded), "data_wait" (the share of those
   seconds spent waiting for the next host batch), "checkpoint" (the newest one's path; None when none was
-  written)}; `describe` puts it in words."""
+  written), "checkpoint_verified" (whether it holds checksums)}; `describe` puts it in words."""
   metrics: dict
   state: dict
   model_config: models.ModelConfig
@@ -214,29 +214,29 @@ def shard_state(abstract, mesh):
           "rng": replicated}
 
 
+def _good_words(last_good) -> str:
+  """The last good checkpoint (step, path, verified) in words: "checkpoint 4 (DIR/checkpoints/4)", with
+  ", unverified: ..." when it holds no checksums, or "none (no checkpoint was written)"."""
+  if not last_good:
+    return "none (no checkpoint was written)"
+  step, path, verified = last_good
+  return f"checkpoint {step} ({path}{'' if verified else ', ' + UNVERIFIED})"
+
+
 def _check_finite(step: int, values: dict, last_good) -> None:
   for name in ("loss", "grad_norm"):
     v = float(values[name])
     if not math.isfinite(v):
-      where = f"checkpoint {last_good[0]} ({last_good[1]})" if last_good else "none (no checkpoint was written)"
       raise NonFiniteError(f"training stopped at step {step}: `{name}` is {v}; the last good checkpoint is "
-                           f"{where}")
-
-
-@jax.jit
-def _finite_leaves(state):
-  return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True, state)
+                           f"{_good_words(last_good)}")
 
 
 def check_state_finite(step: int, state, last_good) -> None:
   """NonFiniteError naming the first parameter or optimiser entry of `state` that holds a NaN or ±Inf, before it
   is saved: a checkpoint only ever holds a finite state."""
-  flags = jax.device_get(_finite_leaves(state))
-  for path, ok in jax.tree_util.tree_leaves_with_path(flags):
-    if not bool(ok):
-      where = f"checkpoint {last_good[0]} ({last_good[1]})" if last_good else "none (no checkpoint was written)"
-      raise NonFiniteError(f"training stopped at step {step}: the state's `{jax.tree_util.keystr(path)}` holds "
-                           f"non-finite values, so it is not saved; the last good checkpoint is {where}")
+  if entry := nonfinite_entry(state):
+    raise NonFiniteError(f"training stopped at step {step}: the state's `{entry}` holds non-finite values, so it "
+                         f"is not saved; the last good checkpoint is {_good_words(last_good)}")
 
 
 def _peak_memory_gb():
@@ -290,22 +290,51 @@ def _describe(changes: dict) -> str:
 
 
 def _latest_config(workdir: pathlib.Path) -> dict | None:
-  """The config of the work directory's latest (re)start (config.json), or None when it has none."""
+  """The config of the work directory's latest (re)start: config.json, or when it is missing the last record of
+  config_history.jsonl (with a warning); None when it has neither."""
   path = workdir / CONFIG
   if not path.is_file():
-    return None
+    record = _last_record(workdir / CONFIG_HISTORY)
+    if record is not None:
+      logging.warning("train: %s is missing; the run's settings are those of the last record of %s", path,
+                      workdir / CONFIG_HISTORY)
+    return record
   try:
     return json.loads(path.read_text())
   except ValueError as e:
     raise ValueError(f"train: {path} is not the JSON of a config ({e}); use a new work directory") from None
 
 
+def _last_record(path: pathlib.Path) -> dict | None:
+  """The config of config_history.jsonl's last record (a torn last line, cut by a kill mid-write, skipped), or None
+  when it holds none; ValueError naming the file and the line when another line is not a record."""
+  if not path.is_file():
+    return None
+  lines = path.read_text().splitlines()
+  last = None
+  for number, line in enumerate(lines, 1):
+    try:
+      config = json.loads(line)["config"]
+      if not isinstance(config, dict):
+        raise TypeError
+      last = config
+    except (ValueError, KeyError, TypeError):
+      if number < len(lines):
+        raise ValueError(f"train: {path}, line {number}: not a record {{\"time\", \"start\", \"config\"}}"
+                         ) from None
+  return last
+
+
 def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract, pipeline=None):
   """`Checkpoints.restore_latest` of a (re)start of `config`, refusing a resume that changes a field not in
   RESUMABLE from the latest (re)start's config: RuntimeError naming those fields when no checkpoint fits the
   state (another model, say), ValueError naming them when one was restored. With `pipeline`, sets it to the
-  restored data position (`_resume_data`). Writes nothing."""
+  restored data position (`_resume_data`). Writes nothing until the resume is accepted; then moves the damaged
+  checkpoints aside (`Checkpoints.set_aside`)."""
   previous = _latest_config(workdir)
+  if previous is None and ckpt.manager.all_steps():
+    raise ValueError(f"train: {workdir} holds checkpoints but neither {CONFIG} nor {CONFIG_HISTORY}: the settings "
+                     "they were trained with are unknown; put one of those files back or use a new work directory")
   defaults = _flat(configs.base().to_dict())
   # A field the run's config lacks (one the trainer gained since) at its default is the run's behaviour.
   added = lambda k, v: v[0] is _ABSENT and k in defaults and defaults[k] == v[1]
@@ -323,7 +352,8 @@ def _restore(ckpt: Checkpoints, config, workdir: pathlib.Path, abstract, pipelin
                      f"{', '.join(f'`{k}`' for k in RESUMABLE)}. Rerun with the run's settings (config.json) or "
                      "use a new work directory")
   if restored is not None and pipeline is not None:
-    _resume_data(pipeline, restored[2], restored[0], workdir)
+    _resume_data(pipeline, restored.data_state, restored.step, workdir)
+  ckpt.set_aside()
   return restored
 
 
@@ -342,11 +372,25 @@ def _resume_data(pipeline, position: dict, step: int, workdir: pathlib.Path) -> 
                      f"not {step}")
 
 
+def _drop_torn_line(path: pathlib.Path) -> None:
+  """Cuts a last line that does not end in a newline (a kill mid-append) off `path`, with a warning."""
+  if not path.is_file():
+    return
+  with path.open("rb+") as f:
+    data = f.read()
+    if data and not data.endswith(b"\n"):
+      keep = data.rfind(b"\n") + 1
+      logging.warning("%s: dropped a torn last line %r", path, data[keep:keep + 80])
+      f.truncate(keep)
+
+
 def _record_config(workdir: pathlib.Path, config, start: int) -> None:
-  """Appends this (re)start's record {"time", "start", "config"} to config_history.jsonl and makes config.json
-  its config (written whole, then renamed over the old one). start: the step it resumed from (0: afresh)."""
+  """Appends this (re)start's record {"time", "start", "config"} to config_history.jsonl (after dropping a torn
+  last line) and makes config.json its config (written whole, then renamed over the old one). start: the step it
+  resumed from (0: afresh)."""
   record = _record(config)
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  _drop_torn_line(workdir / CONFIG_HISTORY)
   with (workdir / CONFIG_HISTORY).open("a") as f:
     f.write(json.dumps({"time": stamp, "start": start, "config": record}, sort_keys=True) + "\n")
   part = workdir / f"{CONFIG}.part"
@@ -425,6 +469,8 @@ def describe(summary: dict, workdir) -> str:
       head += (f"; held-out loss {e['eval_loss']:.4f}, perplexity {e['eval_perplexity']:.4g} (step {e['step']}, "
                f"{e['eval_tokens']:,.0f} tokens)")
   checkpoint = s.get("checkpoint") or f"none in {workdir / 'checkpoints'}"
+  if s.get("checkpoint") and not s.get("checkpoint_verified", True):
+    checkpoint += f" ({UNVERIFIED})"
   return (f"{head}\ncheckpoint: {checkpoint}; metrics: {workdir / 'metrics.jsonl'}; TensorBoard: "
           f"{workdir / 'tensorboard'}")
 
@@ -496,7 +542,7 @@ def _run_holding(config, workdir: pathlib.Path) -> TrainResult:
 class TrainSetup:
   """Everything the loop steps with, built by `setup`: the mesh, the rows per process, the data pipeline (at the
   restored position), the model's config, the held-out batches, the state (restored or fresh) and the step it is
-  at, the newest good checkpoint ((step, path) or None), the checkpoint manager, the jitted train, eval and
+  at, the newest good checkpoint ((step, path, whether it holds checksums) or None), the checkpoint manager, the jitted train, eval and
   diagnostics functions and the host → device batch placement."""
   workdir: pathlib.Path
   mesh: object
@@ -559,10 +605,10 @@ def setup(config, workdir: pathlib.Path) -> TrainSetup:
     state = jax.jit(lambda: init_state(cfg, tx, config.seed), out_shardings=state_sh)()
     start = 0
   else:
-    start, state, _ = restored     # the pipeline stands at the restored data position (`_restore`)
-    logging.info("resumed from checkpoint %d in %s%s", start, workdir / "checkpoints",
-                 "; the run is already complete" if start >= config.steps else "")
-  last_good = (start, str(workdir / "checkpoints" / str(start))) if restored else None
+    start, state = restored.step, restored.state   # the pipeline stands at the restored position (`_restore`)
+    logging.info("resumed from checkpoint %d%s in %s%s", start, "" if restored.verified else f" ({UNVERIFIED})",
+                 workdir / "checkpoints", "; the run is already complete" if start >= config.steps else "")
+  last_good = (start, str(workdir / "checkpoints" / str(start)), restored.verified) if restored else None
 
   graph = graphdef(cfg)
   batch_sh = mesh_lib.batch_sharding(mesh)
@@ -655,7 +701,7 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
       if save:
         check_state_finite(step, state, last_good)
         ckpt.save(step, state, pipeline.get_state())
-        last_good = (step, str(workdir / "checkpoints" / str(step)))
+        last_good = (step, str(workdir / "checkpoints" / str(step)), True)
     _throw_failed_checks(unread)
     ckpt.wait()
   finally:
@@ -667,6 +713,7 @@ def train_loop(config, run: TrainSetup) -> TrainResult:
   seconds = time.perf_counter() - began
   summary = {"start": start, "step": end, "steps": config.steps, "eval": evaluated, "seconds": seconds,
              "eval_seconds": eval_seconds, "checkpoint": last_good[1] if last_good else None,
+             "checkpoint_verified": bool(last_good and last_good[2]),
              "loss": None if metrics is None else float(jax.device_get(metrics["loss"])),
              "tokens_per_s": (end - start) * tokens_per_step / max(seconds - eval_seconds, 1e-9),
              "data_wait": waited_all / max(seconds - eval_seconds, 1e-9)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 
 import tensorboardX
@@ -24,9 +25,21 @@ def _scalar(v):
   return float(v) if not isinstance(v, (list, tuple)) else [float(x) for x in v]
 
 
+def _replace(path: pathlib.Path, text: str) -> None:
+  """Makes `text` the content of `path` at once: written to path.part, flushed to disk, renamed over `path`; a
+  process killed at any moment leaves the old content or the new one."""
+  part = path.with_name(path.name + ".part")
+  with part.open("w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(part, path)
+
+
 class Writer:
   """Appends logged steps to metrics.jsonl and TensorBoard. resume_step: the step a resumed run restarted
-  from; lines and events logged after it by the interrupted run are dropped, so each step is logged once."""
+  from; lines and events logged after it by the interrupted run are dropped, so each step is logged once. The
+  kept lines replace metrics.jsonl whole (`_replace`), never in place."""
 
   def __init__(self, workdir, *, enabled: bool, resume_step: int = 0):
     self.enabled = enabled
@@ -34,14 +47,16 @@ class Writer:
       return
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     if self.path.exists():
-      rows = [(line, _row(line)) for line in self.path.read_text().splitlines() if line.strip()]
+      text = self.path.read_text()
+      rows = [(line, _row(line)) for line in text.splitlines() if line.strip()]
       if rows and rows[-1][1] is None:   # a final line torn by a kill or a full disk mid-write
         logging.warning("%s: dropped a torn last line %r", self.path, rows.pop()[0][:80])
       for number, (line, row) in enumerate(rows, 1):
         if row is None:
           raise ValueError(f"{self.path}, line {number}: not a JSON object with an integer `step`: {line[:80]!r}")
-      kept = [line for line, row in rows if row["step"] <= resume_step]
-      self.path.write_text("".join(line + "\n" for line in kept))
+      kept = "".join(line + "\n" for line, row in rows if row["step"] <= resume_step)
+      if kept != text:
+        _replace(self.path, kept)
     self.file = self.path.open("a")
     self.tb = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
 
