@@ -81,8 +81,8 @@ class Protocol:
       raise ValueError(f"Protocol: `order` must be one of {ORDERS}, got {self.order!r}")
 
   def identity(self) -> dict:
-    """The fields a cell's file name hashes and `done` compares: every field, less `order` at "epoch" (the order
-    the grid used before it had the field, so those cells keep their names)."""
+    """The fields a cell's file name hashes: every field, less `order` at "epoch" (a cell file whose protocol has
+    no `order` holds an epoch-order cell, and its name is this hash)."""
     fields = dataclasses.asdict(self)
     if fields["order"] == "epoch":
       del fields["order"]
@@ -147,7 +147,7 @@ def _read_cell(path: pathlib.Path, log=print) -> dict | None:
 
 
 def _with_order(result: dict) -> dict:
-  """A cell file's result with its protocol's `order` filled in ("epoch" for files written before the field)."""
+  """A cell file's result with its protocol's `order` filled in ("epoch" where the file's protocol has none)."""
   if isinstance(result.get("protocol"), dict):
     result["protocol"] = {"order": "epoch", **result["protocol"]}
   return result
