@@ -9,9 +9,7 @@ A `Variant` is "default" or "<family>:<field=value>+<field=value>..." over the l
 family (`FAMILIES`); it applies to the pallas implementation of the ops that call that family (`Op.families`).
 A non-default delta_rule variant calls `pallas_kernels.gpu.delta_rule` directly with its config (the default goes
 through the public API, which traces the same program); osdn variants call `pallas_kernels.gpu.osdn.d_pass`,
-precond_key variants `pallas_kernels.gpu.precond_key.precond_key`. A precond_key variant with fuse=True runs the
-pallas PDN ops without per-channel decay as `pallas_kernels.gpu.delta_rule.pdn_delta_rule` (the key formed in the
-solve's prep).
+precond_key variants `pallas_kernels.gpu.precond_key.precond_key`.
 """
 from __future__ import annotations
 
@@ -221,16 +219,6 @@ def _precond(impl, variant, transform, k, beta_p, g_p, *, q=None, center=None, i
   return precond.atq_query(q, k, beta_p, g_p, initial_state=initial_state, implementation=impl)
 
 
-def _pdn_solve(variant, x, center):
-  """o of `pallas_kernels.gpu.delta_rule.pdn_delta_rule` (PDN's key formed in the solve's prep) for a precond_key
-  variant with fuse=True, decay none or per head; else None."""
-  from pallas_kernels.gpu import delta_rule
-  if variant.family != "precond_key" or not variant.config.fuse or ("g" in x and x["g"].ndim == 4):
-    return None
-  return delta_rule.pdn_delta_rule(x["q"], x["k"], x["v"], x["beta"], x["beta_p"], x["g_p"], center,
-                                   log_decay=x.get("g"), key_config=variant.config)[0]
-
-
 def _osdn_config(variant):
   """The d-pass kernel config of an osdn variant for calls that take none (`osdn.configured`)."""
   if variant.family != "osdn":
@@ -246,9 +234,6 @@ def _end_to_end(first_pass: str | None):
       k_write = None
       if first_pass == "pdn":
         center = jnp.full((x["k"].shape[2],), CENTER, jnp.float32)
-        o = _pdn_solve(variant, x, center) if impl == "pallas" else None
-        if o is not None:
-          return (o,)
         k_write, _ = _precond(impl, variant, "pdn", x["k"], x["beta_p"], x["g_p"], center=center)
       elif first_pass == "osdn":
         with _osdn_config(variant):

@@ -34,22 +34,20 @@ def scale_parts(scale, key_dim: int):
     return None, jnp.asarray(scale, jnp.float32)
 
 
-def check_precond_key(where: str, k, beta, log_decay, transform, q, center, x, eps, lam, initial_state,
-                      names=("beta", "log_decay", "initial_state")):
+def check_precond_key(where: str, k, beta, log_decay, transform, q, center, x, eps, lam, initial_state):
   """ValueError naming the argument unless the inputs fit `precond_key` (PDN's write key / ATQ's query):
   k [B, T, H, K]; beta, log_decay [B, T, H]; initial_state None or [B, H, K]; q [B, T, H, K] for "atq"; center
-  scalar or [H] for "pdn"; x > 0, eps ≥ 0, lam > 0 static numbers. names: the caller's names of beta,
-  log_decay and initial_state."""
+  scalar or [H] for "pdn"; x > 0, eps ≥ 0, lam > 0 static numbers."""
   if transform not in TRANSFORMS:
     raise ValueError(f"{where}: `transform` must be one of {TRANSFORMS}, got {transform!r}")
   if k.ndim != 4:
     raise ValueError(f"{where}: `k` must be [B, T, H, K], got shape {k.shape}")
   b, t, h, kd = k.shape
-  for name, a in zip(names, (beta, log_decay)):
+  for name, a in (("beta", beta), ("log_decay", log_decay)):
     if a.shape != (b, t, h):
       raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
   if initial_state is not None and initial_state.shape != (b, h, kd):
-    raise ValueError(f"{where}: `{names[2]}` must be [B, H, K] = {(b, h, kd)}, got {initial_state.shape}")
+    raise ValueError(f"{where}: `initial_state` must be [B, H, K] = {(b, h, kd)}, got {initial_state.shape}")
   if transform == "atq" and (q is None or q.shape != k.shape):
     raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape} for 'atq', got "
                      f"{None if q is None else q.shape}")

@@ -62,9 +62,6 @@ class Config:
   block_k: int = 128              # K columns per program (clamped to the padded K)
   warps: int = 2                  # num_warps of every kernel (no loops: num_stages = 1)
   carry_group: int = 64           # chunks per program of the carries' first level (0: one serial scan over all)
-  fuse: bool = False              # PDN's key then the Pallas delta rule (`delta_rule.pdn_delta_rule`'s callers):
-                                  # form the key in the solve's prep rather than in `apply` (the chunk is then
-                                  # capped at the solve's); slower on the H200 (docs/benchmarks.md)
 
   def __post_init__(self):
     for name in ("chunk", "block_k", "warps"):
@@ -386,26 +383,6 @@ def _bwd(st, res, cts):
 
 
 _precond_key.defvjp(_fwd, _bwd)
-
-
-def pdn_static(x: float, eps: float, config: Config, interpret: bool) -> Static:
-  return Static("pdn", float(x), float(eps), 1.0, config, interpret)
-
-
-def pdn_moments(k, beta, g, A0, center, st: Static):
-  """For a caller that forms PDN's key itself (`delta_rule.prep.PdnKey`): (A_in, the moment entering every
-  chunk of st.config.chunk tokens [B, NC, H, K] fp32, A_T [B, H, K] fp32, head-major βᴾ and gᴾ [B, H, T]). k
-  [B, T, H, K] with T a multiple of the chunk and K padded; beta, g (clamped) [B, T, H] fp32; A0 [B, H, K]."""
-  prep = _prepare(k, None, beta, g, A0, center, st)
-  A_in, A_T = _carries(prep, st)
-  return A_in, A_T, prep.beta, prep.g
-
-
-def pdn_backward(st: Static, k, beta, g, A0, center, A_in, dy, dA_T):
-  """The cotangents (dk, dβ, dg, dA0, dc) of PDN's key for the inputs of `pdn_moments` and its A_in, from those
-  of the key dy [B, T, H, K] and of A_T."""
-  dk, _, dbeta, dg, dA0, dc = _bwd(st, (k, None, beta, g, A0, center, A_in), (dy, dA_T))
-  return dk, dbeta, dg, dA0, dc
 
 
 # ---------------------------------------------------------------------------------------------------------

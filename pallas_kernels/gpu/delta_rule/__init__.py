@@ -7,7 +7,7 @@ state_bwd, grads_state, grads_intra, grads_finish, grads_pairs), orchestrated by
 `backward.py`; `layout.py` has the array layouts and BlockSpecs. README.md beside this package describes the
 design.
 """
-from pallas_kernels.gpu.delta_rule.api import delta_rule, linear_attention, pdn_delta_rule, supports
+from pallas_kernels.gpu.delta_rule.api import delta_rule, linear_attention, supports
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 
-__all__ = ["delta_rule", "linear_attention", "pdn_delta_rule", "supports", "Config", "DEFAULT"]
+__all__ = ["delta_rule", "linear_attention", "supports", "Config", "DEFAULT"]

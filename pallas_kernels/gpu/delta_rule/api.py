@@ -9,10 +9,6 @@ kernels), β is laid out head-major.
 Inside the custom_vjp (the kernels): forward = prep → state_pass → output; backward = W, U from T →
 state_pass → dv_local → state_bwd → grads. The forward saves its inputs and T = (I + A)⁻¹ (fp32
 [B, HV, T, C]: the one costly intermediate); W, U, the chunk states and V_new are recomputed.
-
-`pdn_delta_rule` is PDN's write key followed by this solve in one custom_vjp: `precond_key`'s chunk summaries and
-carries give the second moment entering every chunk, prep forms the key from it (`prep.PdnKey`) and stores it
-for the state pass and the output; the backward is this solve's, then `precond_key`'s from the key's cotangent.
 """
 from __future__ import annotations
 
@@ -24,13 +20,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels import wrapper_math as wm
-from pallas_kernels.arrays import check_precond_key, check_segment_ids, pad_axis, scale_parts
-from pallas_kernels.gpu import precond_key
+from pallas_kernels.arrays import check_segment_ids, scale_parts
 from pallas_kernels.gpu.common import MAX_DIM, default_interpret, padded_dim
 from pallas_kernels.gpu.delta_rule import backward, chunk_cumsum, forward, heuristics
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 from pallas_kernels.gpu.delta_rule.layout import Static
-from pallas_kernels.gpu.delta_rule.prep import PdnKey
 from pallas_kernels.spec import CHUNK_SIZES, LOG_DECAY_FLOOR, Spec
 
 
@@ -68,48 +62,10 @@ def _solve_bwd(st, res, cts):
 _solve.defvjp(_solve_fwd, _solve_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pdn_solve(st: Static, kst: precond_key.Static, q, k, v, beta, G, S0, bp, gp, A0, center):
-  """(o, S_T, A_T) of PDN's key (moment gates bp, gp [B, T, H] fp32, A0 [B, H, K], center [H]) and the solve;
-  every array padded as `_solve`'s."""
-  return _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t=False)[0]
-
-
-def _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t):
-  A_in, A_T, bp_heads, gp_heads = precond_key.pdn_moments(k, bp, gp, A0, center, kst)
-  b, h, tp = gp_heads.shape
-  Gp = jnp.cumsum(gp_heads.reshape(b, h, tp // st.chunk, st.chunk), axis=-1).reshape(b, h, tp)
-  key = PdnKey(A_in[:, ::st.chunk // kst.config.chunk], bp_heads, Gp,
-               jnp.broadcast_to(center[:, None], (h, st.key_dim)), kst.x, kst.eps)
-  o, S_T, *T, kw = forward.forward(st, q, k, None, v, beta, G, S0, emit_t=emit_t, key=key)
-  return (o, S_T, A_T), (kw, A_in, *T)
-
-
-def _pdn_solve_fwd(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center):
-  out, (kw, A_in, T) = _pdn_forward(st, kst, q, k, v, beta, G, S0, bp, gp, A0, center, emit_t=True)
-  # Named as `_solve_fwd`'s T and as the separate key's residuals (`precond.pdn_write_key`).
-  kw, A_in = checkpoint_name(kw, "precond_pass"), checkpoint_name(A_in, "precond_pass")
-  return out, (q, k, kw, v, beta, G, S0, checkpoint_name(T, "delta_rule_T"), bp, gp, A0, center, A_in)
-
-
-def _pdn_solve_bwd(st, kst, res, cts):
-  q, k, kw, v, beta, G, S0, T, bp, gp, A0, center, A_in = res
-  do, dS_T, dA_T = cts
-  dq, dk, dkw, dv, dbeta, dG, dS0 = backward.backward(st, (q, k, kw, v, beta, G, S0, None, T), do, dS_T)
-  dk_key, dbp, dgp, dA0, dc = precond_key.pdn_backward(kst, k, bp, gp, A0, center, A_in, dkw, dA_T)
-  dk = (dk.astype(jnp.float32) + dk_key.astype(jnp.float32)).astype(k.dtype)
-  return dq.astype(q.dtype), dk, dv.astype(v.dtype), dbeta, dG, dS0, dbp, dgp, dA0, dc
-
-
-_pdn_solve.defvjp(_pdn_solve_fwd, _pdn_solve_bwd)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "forward_chunk", "config", "interpret",
-                                             "low_precision", "num_segments", "key_static"))
-def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, key_inputs=None, *,
-                scale, chunk_size, forward_chunk, config, interpret, low_precision, num_segments, key_static=None):
-  """key_static (`precond_key.Static`) with key_inputs (βᴾ, log-decayᴾ, center, A0ᴾ): PDN's key formed in the
-  solve (`_pdn_solve`, unpacked, decay none or scalar); then also returns A_T."""
+                                             "low_precision", "num_segments"))
+def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, segment_ids, *, scale, chunk_size,
+                forward_chunk, config, interpret, low_precision, num_segments):
   b, t, h, kd = q.shape
   hv, vd = v.shape[2:]
   dtype = q.dtype
@@ -144,17 +100,9 @@ def _delta_rule(q, k, v, beta, k_write, log_decay, initial_state, scale_arr, seg
     S0_in = jnp.swapaxes(S0_in, 0, 1).reshape(1, hv, n_seg * kp, vp)
   st = Static(batch=q.shape[0], length=tp, heads=h, value_heads=hv, kw_heads=h if kw is None else kw.shape[2],
               key_dim=kp, value_dim=vp, chunk=chunk_size, decay=decay, scale=float(scale),
-              same_keys=kw is None and key_static is None, config=config, interpret=interpret,
+              same_keys=kw is None, config=config, interpret=interpret,
               low_precision=low_precision and dtype == jnp.bfloat16, segments=n_seg,
               grad_dtype=jnp.dtype(dtype).name, forward_chunk=forward_chunk)
-  if key_static is not None:
-    bp, gp, center, A0p = key_inputs
-    bp = pad_axis(bp.astype(jnp.float32), 1, tp)
-    gp = pad_axis(jnp.maximum(gp.astype(jnp.float32), LOG_DECAY_FLOOR), 1, tp)
-    A0p = jnp.zeros((b, h, kp), jnp.float32) if A0p is None else pad_axis(A0p.astype(jnp.float32), 2, kp)
-    center = jnp.broadcast_to(jnp.asarray(center, jnp.float32), (h,))
-    o, S, A_T = _pdn_solve(st, key_static, q, k, v, beta, G, S0_in, bp, gp, A0p, center)
-    return o[:, :t, :, :vd], S[:, :, :kd, :vd], A_T[..., :kd]
   o, S = _solve(st, q, k, kw, v, beta, G, g_wide, S0_in, info)
   if not n_seg:
     return o[:, :t, :, :vd], S[:, :, :kd, :vd]
@@ -198,52 +146,6 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
                      scale=static_scale, chunk_size=chunk, forward_chunk=forward_chunk, config=config,
                      interpret=default_interpret(interpret), low_precision=bf16_matmuls,
                      num_segments=int(num_segments) if segment_ids is not None else None)
-
-
-def pdn_delta_rule(q, k, v, beta, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, log_decay=None,
-                   initial_state=None, initial_moment=None, scale=None, chunk_size=64, config: Config = DEFAULT,
-                   key_config: precond_key.Config | None = None, interpret: bool | None = None,
-                   bf16_matmuls: bool = True):
-  """`delta_rule(q, k, v, beta, k_write=k̃, ...)` with PDN's write key k̃ = `precond_key.precond_key(k, beta_p,
-  log_decay_p, transform="pdn", center=center, x=x, eps=eps, initial_state=initial_moment)` formed inside the
-  solve's prep instead of a pass of its own. Returns (o [B, T, H, V] in q.dtype, S_T [B, H, K, V] fp32, A_T
-  [B, H, K] fp32).
-
-  Shapes as `delta_rule` without packing, with as many value heads as key heads; log_decay None or [B, T, H]
-  (per-channel decay: compose the two ops); beta_p, log_decay_p [B, T, H]; center scalar or [H]; initial_moment
-  [B, H, K]; x, eps static; ValueError naming the argument on any other shape. key_config: `precond_key.Config`
-  of the moment's passes (its chunk is capped at the solve's). Differentiable w.r.t. every array argument.
-  """
-  where = "pdn_delta_rule (pallas gpu)"
-  check_precond_key(where, k, beta_p, log_decay_p, "pdn", None, center, x, eps, 1.0, initial_moment,
-                    names=("beta_p", "log_decay_p", "initial_moment"))
-  b, t, h, kd = k.shape
-  if q.shape != k.shape:
-    raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape}, got {q.shape}")
-  if v.ndim != 4 or v.shape[:3] != (b, t, h):
-    raise ValueError(f"{where}: `v` must be [B, T, H, V] with (B, T, H) = {(b, t, h)}, got {v.shape}")
-  for name, a in (("beta", beta), ("log_decay", log_decay)):
-    if a is not None and jnp.shape(a) != (b, t, h):
-      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got shape {jnp.shape(a)}")
-  if initial_state is not None and initial_state.shape != (b, h, kd, v.shape[3]):
-    raise ValueError(f"{where}: `initial_state` must be [B, H, K, V] = {(b, h, kd, v.shape[3])}, got "
-                     f"{initial_state.shape}")
-  config.check(chunk_size)
-  if jnp.dtype(q.dtype) not in wm.SUPPORTED_DTYPES:
-    raise ValueError(f"{where}: dtype {jnp.dtype(q.dtype).name} not supported (bfloat16, float32)")
-  if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
-    raise ValueError(f"{where}: K and V must be ≤ {MAX_DIM}")
-  decay = "none" if log_decay is None else "scalar"
-  chunk = heuristics.chunk(config, decay, chunk_size, dtype=jnp.dtype(q.dtype).name, kdim=padded_dim(q.shape[-1]),
-                           lanes=q.shape[0] * v.shape[2], vdim=padded_dim(v.shape[-1]))
-  interpret = default_interpret(interpret)
-  key_config = key_config or (precond_key.INTERPRET if interpret else precond_key.DEFAULT)
-  key_config = key_config.override(chunk=min(key_config.chunk, chunk))
-  static_scale, scale_arr = scale_parts(scale, q.shape[-1])
-  return _delta_rule(q, k, v, beta, None, log_decay, initial_state, scale_arr, None,
-                     (beta_p, log_decay_p, center, initial_moment), scale=static_scale, chunk_size=chunk,
-                     forward_chunk=0, config=config, interpret=interpret, low_precision=bf16_matmuls,
-                     num_segments=None, key_static=precond_key.pdn_static(x, eps, key_config, interpret))
 
 
 def supports(spec: Spec) -> bool:

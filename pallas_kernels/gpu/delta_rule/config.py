@@ -51,10 +51,9 @@ class Prep:
   warps_channel: int = 2                # num_warps, per-channel decay, T from the Gram blocks
   warps_given_a: int = 2                # num_warps, per-channel decay, T from `scores`' A
   warps_fp32: int = 8                   # num_warps with fp32 intermediates, every decay (≥ 4: Triton miscompiles 2)
-  warps_key: int = 4                    # num_warps, bf16 intermediates, PDN's write key formed in prep
 
   def __post_init__(self):
-    _check(self, pow2=("warps", "warps_channel", "warps_given_a", "warps_fp32", "warps_key"))
+    _check(self, pow2=("warps", "warps_channel", "warps_given_a", "warps_fp32"))
     if self.warps_fp32 < 4:
       raise ValueError(f"Prep.warps_fp32={self.warps_fp32} must be ≥ 4 (at 2, Triton computed wrong W, U in the "
                        "fp32 prep at K = 128)")

@@ -85,14 +85,11 @@ def stages(config: Config, kdim: int, vdim: int, low_precision: bool) -> int:
   return 1 if max(kdim, vdim) > 128 or not low_precision else config.stages
 
 
-def prep_warps(config: Config, decay: str, low_precision: bool, source: str, key: bool = False) -> int:
-  """num_warps of prep / inverse / wu; source "gram" | "a" (T from `scores`' A) | "t" (T given); key: PDN's write
-  key formed in prep."""
+def prep_warps(config: Config, decay: str, low_precision: bool, source: str) -> int:
+  """num_warps of prep / inverse / wu; source "gram" | "a" (T from `scores`' A) | "t" (T given)."""
   p = config.prep
   if not low_precision:
     return p.warps_fp32
-  if key:
-    return p.warps_key
   if decay != "channel":
     return p.warps
   return p.warps_given_a if source == "a" else p.warps_channel

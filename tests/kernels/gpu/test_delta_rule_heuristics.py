@@ -116,17 +116,13 @@ def test_state_pass_block_v():
 
 def test_prep_warps():
   """prep and wu run `Prep.warps_fp32` warps whenever the intermediates are fp32, for every decay and T source;
-  with bf16 intermediates each keeps its own field (PDN's key formed in prep: `Prep.warps_key`). Fewer than 4
-  is refused (a Triton miscompile)."""
-  c = DEFAULT.override(prep__warps=2, prep__warps_channel=4, prep__warps_given_a=16, prep__warps_fp32=32,
-                       prep__warps_key=8)
-  warps = lambda decay, low, source, key=False: heuristics.prep_warps(c, decay, low, source, key)
+  with bf16 intermediates each keeps its own field. Fewer than 4 is refused (a Triton miscompile)."""
+  c = DEFAULT.override(prep__warps=2, prep__warps_channel=4, prep__warps_given_a=16, prep__warps_fp32=32)
+  warps = lambda decay, low, source: heuristics.prep_warps(c, decay, low, source)
   for decay in ("none", "scalar", "channel"):
     for source in ("gram", "a", "t"):
-      assert warps(decay, False, source) == 32 == warps(decay, False, source, True)
+      assert warps(decay, False, source) == 32
   assert warps("none", True, "gram") == 2 == warps("scalar", True, "t")
-  assert warps("none", True, "gram", True) == 8 == warps("scalar", True, "gram", True)
-  assert DEFAULT.prep.warps_key == 4
   assert warps("channel", True, "gram") == 4 and warps("channel", True, "a") == 16
   assert DEFAULT.prep.warps_fp32 == 8 and DEFAULT.override(prep__warps_fp32=4).prep.warps_fp32 == 4
   with pytest.raises(ValueError, match="warps_fp32"):
