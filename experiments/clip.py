@@ -22,11 +22,11 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from experiments import common, lm, mqar
-from osdn_jax import dgps, diagnostics, plugins
+from osdn_jax import cli, dgps, diagnostics, plugins
 from osdn_jax.ops import dispatch
 
 FLAGS = flags.FLAGS
@@ -251,4 +251,4 @@ if __name__ == "__main__":
   flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
-  app.run(main)
+  cli.run(main)

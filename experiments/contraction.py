@@ -18,10 +18,10 @@ import dataclasses
 import pathlib
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common, lm, mqar
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 from osdn_jax.ops import dispatch
 
 FLAGS = flags.FLAGS
@@ -133,4 +133,4 @@ if __name__ == "__main__":
   flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
   flags.DEFINE_bool("smoke", False, "the CI size")
   flags.DEFINE_string("out", "results", "output directory")
-  app.run(main)
+  cli.run(main)

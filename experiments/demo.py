@@ -11,10 +11,10 @@ go to OUT/demo.png.
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from experiments import mqar
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 
 VARIANTS = ("dn", "pdn", "osdn", "osdn-apf", "dn-fixed-d", "gdn", "pgdn")
 _STEPS = flags.DEFINE_integer("steps", 300, "optimiser steps per variant")
@@ -42,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

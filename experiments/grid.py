@@ -425,7 +425,9 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
       where = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
       for cell, result in zip(part, results):
         path = out / f"{cell.name(protocol)}.json"
-        path.write_text(json.dumps(dict(result, **where), indent=1, default=common.jsonable) + "\n")
+        temporary = path.with_suffix(".json.tmp")      # written whole, then renamed: a kill leaves no torn cell
+        temporary.write_text(json.dumps(dict(result, **where), indent=1, default=common.jsonable) + "\n")
+        temporary.replace(path)
         written.append(path)
       log(f"  {results[0]['steps_per_s']:.1f} steps/s of {len(part)} cells side by side: "
           f"{results[0]['cell_steps_per_s']:.0f} cell-steps/s (compilation excluded)")

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
-from osdn_jax import models, plugins
+from osdn_jax import cli, models, plugins
 from osdn_jax.data.recall import IGNORE, MQARSource
 from osdn_jax.ops import dispatch
 
@@ -276,4 +276,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -18,6 +18,8 @@ import pathlib
 
 from absl import app, flags
 
+from osdn_jax import cli
+
 
 METRICS = "metrics.jsonl"
 SCALARS = (("loss", "loss", "linear"), ("lr", "learning rate", "linear"), ("grad_norm", "gradient norm", "log"),
@@ -160,4 +162,4 @@ def main(argv):
 if __name__ == "__main__":
   # Defined here, not at import, so that importing `plot` beside other absl programs defines no flag.
   flags.DEFINE_string("out", None, "the PNG to write (default DIR/run.png for one run; required for several)")
-  app.run(main)
+  cli.run(main)

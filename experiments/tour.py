@@ -16,9 +16,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from osdn_jax import diagnostics, dgps, plugins
+from osdn_jax import cli, dgps, diagnostics, plugins
 from osdn_jax.testing import random_point_inputs, rel_rms
 
 _B = flags.DEFINE_integer("batch", 2, "B")
@@ -109,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,17 +9,17 @@ checkpoint S. The batches are the ones the trainer evaluates on (`train.loop.eva
 prepared token shards DIR (`python -m osdn_jax.data.prepare`; its vocabulary must be the model's). The loss is the
 trainer's (`step.make_eval_step`: mean nats per scored token), on one device, so for a run of one process it is
 the eval_loss the trainer logged at that step. `--imports` as the trainer's (a run of a point a module registers).
-Errors (no run, no such checkpoint, no validation split) are one line on stderr and exit status 1.
+Errors (no run, no such checkpoint, no validation split) are one line on stderr, `error: <message>`, and exit
+status 1; a flag it cannot take, status 2 (`osdn_jax.cli`).
 """
 from __future__ import annotations
 
 import json
-import sys
 
 import jax
 from flax import nnx
 
-from osdn_jax import plugins
+from osdn_jax import cli, plugins
 from osdn_jax.train import loop
 from osdn_jax.train.checkpoints import quiet_checkpoint_logs
 from osdn_jax.train.step import graphdef, make_eval_step
@@ -41,13 +41,12 @@ def main(argv):
   from absl import flags
   quiet_checkpoint_logs()
   f = flags.FLAGS
+  if len(argv) > 1:
+    raise cli.UsageError(f"eval: unexpected arguments {argv[1:]}; every argument is a --flag (--help lists them)")
   try:
-    if len(argv) > 1:
-      raise ValueError(f"unexpected arguments: {argv[1:]}")
     result = evaluate(f.workdir, step=f.step, data=f.data, batches=f.batches)
-  except (FileNotFoundError, ValueError, RuntimeError) as e:
-    sys.stderr.write("eval: " + " ".join(str(e).split()) + "\n")
-    sys.exit(1)
+  except RuntimeError as e:                       # a checkpoint orbax cannot restore
+    raise ValueError(f"eval: {cli.one_line(e)}") from e
   print(json.dumps(result))
 
 
@@ -64,6 +63,5 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  cli.run(main)

@@ -170,6 +170,19 @@ def test_trainer_errors_are_one_line(tmp_path):
   assert not (tmp_path / "exits").exists()
 
 
+
+def test_the_other_programs_end_a_users_mistake_with_one_line(tmp_path):
+  """`experiments.plot_run` without a run directory, `osdn_jax.train.launch` without the trainer's arguments and
+  `osdn_jax.eval` given an argument that is not a flag: one line, `error: <message>`, exit status 2 (`cli.run`)."""
+  results = _commands({
+      "plot_run": ("experiments.plot_run", []),
+      "launch": ("osdn_jax.train.launch", ["--processes=2"]),
+      "eval": ("osdn_jax.eval", [f"--workdir={tmp_path}", "extra"]),
+  }, tmp_path, parallel=3)
+  _one_line(results["plot_run"], 2, "error: ", "give one or more run directories")
+  _one_line(results["launch"], 2, "error: ", "usage: python -m osdn_jax.train.launch")
+  _one_line(results["eval"], 2, "error: ", "unexpected arguments ['extra']")
+
 # -- the pieces, in this process ------------------------------------------------------------------------------------
 def test_list_flags_name_the_flag_the_value_and_what_it_takes():
   assert cli.floats("lrs", ["1e-3", " 3e-3"]) == (1e-3, 3e-3)

@@ -41,7 +41,9 @@ Output in DIR:
 DIR may hold other files. A run refuses a DIR holding a file of a name it writes unless --overwrite, which deletes
 only the files DIR/metadata.json lists (and refuses such a name that it does not list). The run writes into a
 hidden DIR/.prepare-* directory and moves its files into place once it has finished (the earlier run's removed
-first, metadata.json last): a run that fails leaves DIR as it found it (tests/data/test_prepared_files.py). The
+first, metadata.json last): a run that fails leaves DIR as it found it (tests/data/test_prepared_files.py). A run
+killed at any moment is tidied by the next run on DIR: its working directory removed, or, where it had begun to
+move its files, the move finished first (tests/data/test_prepare_crash.py). The
 readers (`tokens`) verify each shard's and index's sha256 when they first read it.
 No separator token is stored: the index records the document boundaries, and the reader (`tokens.TokenRows`)
 appends EOS to each document as it cuts rows, so the text source's row layout is kept while a different
@@ -67,6 +69,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import fcntl
 import glob as glob_lib
 import gzip
 import hashlib
@@ -105,6 +108,8 @@ CHUNK_BYTES = 1 << 20              # a task for a worker: records of about this 
 CHUNK_RECORDS = 4096               # ...or this many records
 DEFAULT_SHARD_TOKENS = 1 << 28
 DEFAULT_VALIDATION = 0.005
+WORK_PREFIX = ".prepare-"          # a run's working directory in out
+JOURNAL = ".install.json"          # in it, once its files are being moved into place: the earlier files to remove
 # The names of the files a run writes (`_earlier_run`): shards, indexes, a tokenizer, the metadata.
 _OUTPUT_NAME = re.compile(rf"^(?:(?:{'|'.join(tokens_lib.SPLITS)})-[0-9]{{5}}\.(?:bin|idx)|tokenizer\.json|"
                           rf"tokenizer\.model|{re.escape(tokens_lib.METADATA)})$")
@@ -591,14 +596,71 @@ def _missing_parents(out: pathlib.Path) -> list[pathlib.Path]:
   return missing
 
 
+def _hold(work: pathlib.Path) -> int:
+  """Locks the run's working directory (flock on its descriptor, released when the process ends, however it
+  ends); returns the descriptor. `_recover` leaves a locked one alone."""
+  fd = os.open(work, os.O_RDONLY)
+  fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  return fd
+
+
+def _recover(out: pathlib.Path) -> None:
+  """Tidies the working directories of runs that were stopped (killed) in out: one whose move into place had begun
+  (it holds `JOURNAL`) is finished (`_finish_install`), any other is removed. A directory a running run holds
+  (`_hold`) is left alone."""
+  if not out.is_dir():
+    return
+  for work in sorted(out.glob(WORK_PREFIX + "*")):
+    if not work.is_dir():
+      continue
+    fd = os.open(work, os.O_RDONLY)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      continue                                   # a run in progress
+    try:
+      if (work / JOURNAL).is_file():
+        _finish_install(work, out)
+        print(f"prepare: finished moving the files of a run stopped while moving them into {out}",
+              file=sys.stderr)
+      else:
+        shutil.rmtree(work)
+        print(f"prepare: removed {work.name}, the working directory of a run that did not finish",
+              file=sys.stderr)
+    finally:
+      os.close(fd)
+
+
 def _install(work: pathlib.Path, out: pathlib.Path, earlier: list[pathlib.Path]) -> None:
-  """Moves a finished run's files from work into out, in place of the earlier run's: metadata.json last."""
-  for path in earlier:
-    path.unlink()
+  """Moves a finished run's files from work into out, in place of the earlier run's: metadata.json last. The
+  earlier files that no file of this run replaces are written to `JOURNAL` first, so that a run stopped midway is
+  finished by the next (`_recover`)."""
+  names = {p.name for p in work.iterdir()}
+  remove = sorted(p.name for p in earlier if p.name not in names)
+  temporary = work / (JOURNAL + ".tmp")
+  temporary.write_text(json.dumps({"remove": remove}), encoding="utf-8")
+  os.replace(temporary, work / JOURNAL)
+  _finish_install(work, out)
+
+
+def _finish_install(work: pathlib.Path, out: pathlib.Path) -> None:
+  """The move `_install` began (again from the start: each step can be repeated): out's metadata.json removed
+  while work still holds the new one, the earlier files `JOURNAL` names removed, work's files moved into out,
+  metadata.json last; then work removed."""
+  remove = json.loads((work / JOURNAL).read_text(encoding="utf-8"))["remove"]
+  if (work / tokens_lib.METADATA).is_file():
+    (out / tokens_lib.METADATA).unlink(missing_ok=True)
+  for name in remove:
+    if _OUTPUT_NAME.match(name):
+      (out / name).unlink(missing_ok=True)
   for path in sorted(work.iterdir()):
-    if path.name != tokens_lib.METADATA:
+    if path.name not in (tokens_lib.METADATA, JOURNAL):
       os.replace(path, out / path.name)
-  os.replace(work / tokens_lib.METADATA, out / tokens_lib.METADATA)
+  if (work / tokens_lib.METADATA).is_file():
+    os.replace(work / tokens_lib.METADATA, out / tokens_lib.METADATA)
+  (work / JOURNAL).unlink()
+  work.rmdir()
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
@@ -632,12 +694,14 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
   if tokenizer.startswith("bpe:") and dtype == "uint16" and int(tokenizer[4:]) > 1 << 16:
     raise cli.UsageError(f"prepare: a vocabulary of {tokenizer[4:]} tokens does not fit uint16 (ids up to 65535); "
                          "use --dtype=uint32 or --dtype=auto")
+  _recover(out)
   earlier = _earlier_run(out, overwrite)
   created = _missing_parents(out)
   out.mkdir(parents=True, exist_ok=True)
   # The run writes into a hidden directory of out, whose files replace the earlier run's once it has finished: a
-  # run that fails leaves out as it found it.
-  work = pathlib.Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+  # run that fails leaves out as it found it, and one that is killed is tidied by the next (`_recover`).
+  work = pathlib.Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=out))
+  held = _hold(work)
   try:
     metadata, workers = _write(work, files, validation_files, tokenizer, eos_token=eos_token,
                                text_field=text_field, seed=seed, fraction=fraction, workers=workers, dtype=dtype,
@@ -651,7 +715,8 @@ def prepare(inputs: Sequence[str] | str, tokenizer: str, out, *, text_field: str
       except OSError:
         break
     raise
-  work.rmdir()
+  finally:
+    os.close(held)
   if verbose:
     print(summary(metadata, out, seconds=time.perf_counter() - start, workers=workers))
   return metadata

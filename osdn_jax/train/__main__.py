@@ -19,7 +19,9 @@ The command line's errors (an unknown config name, a config field that does not 
 a bad value, a work directory that is a file, any other flag error) and the errors a run stops with that the
 user's input causes (`osdn_jax.cli.user_errors`: data that cannot be read, a token id outside the vocabulary
 (`TokenIdError`), a non-finite loss or state (`NonFiniteError`), a work directory another trainer holds
-(`WorkdirLockedError`), ...) are one line on stderr, `train: <message>`, and exit status 1; --debug (or
+(`WorkdirLockedError`), ...) are one line on stderr, `train: <message>`; the exit status is 2 for the command
+line's errors and the config's fields the trainer refuses before any work (`configs.validate`), 1 for the others
+(an --imports module that cannot be imported among them); --debug (or
 OSDN_DEBUG=1) shows their tracebacks instead. The end of a run prints its summary (steps, final training loss,
 held-out loss, tokens/s, where the checkpoints and metrics are) on stdout.
 """
@@ -76,9 +78,14 @@ def _line(message) -> str:
   return text if text.startswith(("train:", "train config:")) else "train: " + text
 
 
-def fail(message: str):
-  """Ends the command with `message` as one line on stderr, exit status 1."""
-  cli_lib.fail(_line(message), 1, prefix="")
+def fail(message: str, status: int = cli_lib.RUNTIME):
+  """Ends the command with `message` as one line on stderr, exit `status` (1; 2 for a usage error)."""
+  cli_lib.fail(_line(message), status, prefix="")
+
+
+def _imports_failed(error: BaseException) -> bool:
+  """Whether a flags error is --imports' validator's: a module that could not be imported (an ImportError)."""
+  return str(error).startswith(f"flag --{plugins.FLAG}=")
 
 
 def _unknown_field(error: KeyError, args: list[str]) -> str:
@@ -112,33 +119,34 @@ def parse_flags(argv: list[str]) -> list[str]:
   for value in values:   # flag_args made a named config its file in configs.py; ml_collections reads path[:arg]
     if not os.path.isfile(value.split(":", 1)[0]):
       fail(f"unknown --config {value!r}: not a named config ({', '.join(configs.CONFIGS)}) nor a config file "
-           "(--config=path/to/file.py[:arg], a file with get_config())")
+           "(--config=path/to/file.py[:arg], a file with get_config())", cli_lib.USAGE)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     lines = [line for line in str(e).splitlines() if line.strip()]
     # A config file that raised: absl's message holds the traceback, whose last line is the error.
     fail(lines[0] + (f" {lines[-1].strip()}" if len(lines) > 1 and "Traceback" in str(e) else "")
-         if lines else type(e).__name__)
+         if lines else type(e).__name__, cli_lib.RUNTIME if _imports_failed(e) else cli_lib.USAGE)
   except KeyError as e:
-    fail(_unknown_field(e, args))
+    fail(_unknown_field(e, args), cli_lib.USAGE)
 
 
 def main(argv):
   quiet_checkpoint_logs()
   if len(argv) > 1:
-    fail(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {argv[1:]}", cli_lib.USAGE)
   config, workdir = _CONFIG.value, _WORKDIR.value
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    fail(f"--workdir={workdir} is a file; name a directory (a new one starts a run, an existing run's resumes it)")
+    fail(f"--workdir={workdir} is a file; name a directory (a new one starts a run, an existing run's resumes it)",
+         cli_lib.USAGE)
   try:
     configs.validate(config)
   except ValueError as e:
-    fail(str(e))
+    fail(str(e), cli_lib.USAGE)
   try:
     explicit = distributed_args(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except app.UsageError as e:
-    fail(str(e))
+    fail(str(e), cli_lib.USAGE)
   if explicit is not None:
     jax.distributed.initialize(**explicit)
   elif _DISTRIBUTED.value:

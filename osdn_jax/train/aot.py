@@ -217,9 +217,9 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-  from absl import app, flags
+  from absl import flags
 
-  from osdn_jax import plugins
+  from osdn_jax import cli, plugins
 
   config_flag = configs.define_config_flag()   # as the trainer's: --config.point_options.NAME=VALUE too
   plugins.define_imports_flag()                # --imports=my_points: points a module registers, by name
@@ -232,7 +232,7 @@ def main() -> None:
 
   def run(argv):
     if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
     report = compile_for_topology(config_flag.value, topology.value, segments_per_row=segments.value or None,
                                   vocab=vocab.value or None, hlo_path=hlo.value)
     print(table(report))
@@ -241,7 +241,7 @@ def main() -> None:
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_text(json.dumps(report, indent=2) + "\n")
 
-  app.run(run, argv=configs.flag_args(sys.argv))
+  cli.run(run, argv=configs.flag_args(sys.argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
+
+from osdn_jax import cli
 
 _PROCESSES = flags.DEFINE_integer("processes", 2, "processes to start", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices_per_process", None, "CPU devices per process (default: as the "
@@ -81,10 +83,10 @@ def launch(trainer_args: list[str], processes: int, devices: int | None = None) 
 
 def main(argv):
   if len(argv) < 2:
-    raise app.UsageError("usage: python -m osdn_jax.train.launch --processes=N [--devices_per_process=D] -- "
+    raise cli.UsageError("usage: python -m osdn_jax.train.launch --processes=N [--devices_per_process=D] -- "
                          "<trainer args>")
   sys.exit(launch(argv[1:], _PROCESSES.value, _DEVICES.value))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -212,7 +212,7 @@ def test_cli_trains_under_a_mesh_prints_a_summary_and_eval_prints_the_logged_eva
 
 def test_cli_errors_are_one_line_and_help_lists_the_fields(tmp_path):
   """An unknown --config name (listing the names), a work directory that is a file, a mistyped field: one line
-  on stderr without a traceback, exit status 1, nothing written. --help exits 0 and lists the config's fields."""
+  on stderr without a traceback, exit status 2 (usage errors), nothing written. --help exits 0 and lists the config's fields."""
   a_file = tmp_path / "file"
   a_file.write_text("not a directory")
   cases = {
@@ -232,7 +232,7 @@ def test_cli_errors_are_one_line_and_help_lists_the_fields(tmp_path):
       assert "eval_every" in stdout and "eval_batches" in stdout and "--workdir" in stdout
       continue
     lines = stderr.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, (k, stderr[-3000:])
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (k, stderr[-3000:])
     assert lines[0].startswith("train: ") and all(w in lines[0] for w in cases[k][1]), (k, lines[0])
   assert a_file.read_text() == "not a directory"
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
