@@ -358,33 +358,32 @@ class Group:
 
 
 def _partial_files(prefix: pathlib.Path):
-  return prefix.with_suffix(".npz"), prefix.with_suffix(".json")
+  return (prefix.with_suffix(".npz"),)
 
 
 def _save_partial(prefix: pathlib.Path, states, step: int, curves) -> None:
-  arrays, meta = _partial_files(prefix)
+  """The group's states, step and curves in one file, replaced whole (a kill leaves the old one or the new one)."""
+  (arrays,) = _partial_files(prefix)
   prefix.parent.mkdir(parents=True, exist_ok=True)
+  meta = np.frombuffer(json.dumps(dict(step=step, curves=curves)).encode(), np.uint8)
   with open(arrays.with_suffix(".tmp.npz"), "wb") as f:
-    np.savez(f, *[np.asarray(x) for x in jax.tree.leaves(states)])
+    np.savez(f, *[np.asarray(x) for x in jax.tree.leaves(states)], meta=meta)
   arrays.with_suffix(".tmp.npz").replace(arrays)
-  meta.with_suffix(".tmp").write_text(json.dumps(dict(step=step, curves=curves)))
-  meta.with_suffix(".tmp").replace(meta)
 
 
 def _load_partial(prefix: pathlib.Path, like, log=print):
   """(states, step, curves) saved by `_save_partial` for states shaped like `like`, or None. A saved state that
-  cannot be read is damaged: its files are set aside with a warning, and the group starts from step 0."""
-  arrays, meta = _partial_files(prefix)
-  if not (arrays.is_file() and meta.is_file()):
+  cannot be read is damaged: its file is set aside with a warning, and the group starts from step 0."""
+  (arrays,) = _partial_files(prefix)
+  if not arrays.is_file():
     return None
   try:
-    saved = json.loads(meta.read_text())
     with np.load(arrays) as data:
-      leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+      saved = json.loads(data["meta"].tobytes().decode())
+      leaves = [data[f"arr_{i}"] for i in range(len(data.files) - 1)]
     step, curves = int(saved["step"]), saved["curves"]
   except (ValueError, UnicodeDecodeError, OSError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as e:
-    for path in (arrays, meta):
-      _set_aside(path, e, log)
+    _set_aside(arrays, e, log)
     log(f"warning: the group's saved state {prefix} is damaged; it restarts from step 0")
     return None
   ref, treedef = jax.tree.flatten(like)

@@ -255,7 +255,7 @@ def test_a_damaged_cell_file_is_named_set_aside_and_retrained(tmp_path):
   assert grid.done(tmp_path, TINY, cells[0])
 
 
-@pytest.mark.parametrize("damage", ["npz", "json"])
+@pytest.mark.parametrize("damage", ["bytes", "truncated"])
 def test_a_damaged_partial_state_restarts_its_group_with_a_warning(tmp_path, damage):
   cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
   whole = grid.Group(TINY, cells).run(log=lambda *_: None)
@@ -266,11 +266,9 @@ def test_a_damaged_partial_state_restarts_its_group_with_a_warning(tmp_path, dam
       raise KeyboardInterrupt
   with pytest.raises(KeyboardInterrupt):
     grid.Group(TINY, cells).run(log=stop, partial=prefix)
-  arrays, meta = prefix.with_suffix(".npz"), prefix.with_suffix(".json")
-  if damage == "npz":
-    arrays.write_bytes(arrays.read_bytes()[:100] + np.random.default_rng(0).bytes(64))
-  else:
-    meta.write_text(meta.read_text()[:10])
+  arrays = prefix.with_suffix(".npz")
+  data = arrays.read_bytes()
+  arrays.write_bytes(data[:100] + np.random.default_rng(0).bytes(64) if damage == "bytes" else data[:len(data) // 2])
   logs = []
   again = grid.Group(TINY, cells).run(log=logs.append, partial=prefix)
   assert any("damaged" in line and str(prefix) in line for line in logs), logs

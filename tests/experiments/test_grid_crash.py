@@ -47,8 +47,11 @@ def _started(log: pathlib.Path, proc: subprocess.Popen) -> None:
 
 def _saved_step(out: pathlib.Path) -> int:
   """The step of the group's saved state (0: none)."""
-  saved = list((out / "partial").glob("*.json"))
-  return json.loads(saved[0].read_text())["step"] if saved else 0
+  saved = list((out / "partial").glob("*.npz"))
+  if not saved:
+    return 0
+  with np.load(saved[0]) as data:
+    return json.loads(data["meta"].tobytes().decode())["step"]
 
 
 def _cells(out: pathlib.Path) -> dict:
