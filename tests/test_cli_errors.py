@@ -59,14 +59,28 @@ def _one_line(result, status: int, *words: str, alone: bool = True) -> str:
 
 @pytest.fixture
 def absl_flags():
-  """absl's FLAGS for a program's flags defined in this process: those defined inside are removed afterwards."""
+  """absl's FLAGS for a program's flags defined in this process, as in a process of its own: the flags other
+  modules of this process defined are set apart during the test (a program may define a flag of the same name),
+  those defined inside are removed afterwards, and the others, the parse state and absl's log level come back."""
+  import logging
+
   from absl import flags
-  before, parsed = set(flags.FLAGS), flags.FLAGS.is_parsed()
+  level, parsed = logging.getLogger("absl").level, flags.FLAGS.is_parsed()
+  others = {name: flags.FLAGS[name] for name in list(flags.FLAGS)
+            if not flags.FLAGS.find_module_defining_flag(name, "").startswith("absl")}
+  modules = {name: flags.FLAGS.find_module_defining_flag(name) for name in others}
+  for name in others:
+    delattr(flags.FLAGS, name)
+  before = set(flags.FLAGS)
   yield flags.FLAGS
   for name in set(flags.FLAGS) - before:
     delattr(flags.FLAGS, name)
+  for name, flag in others.items():
+    flags.FLAGS[name] = flag
+    flags.FLAGS.register_flag_by_module(modules[name], flag)
   if not parsed:
     flags.FLAGS.unparse_flags()
+  logging.getLogger("absl").setLevel(level)
 
 
 # -- the experiments and prepare --------------------------------------------------------------------------------

@@ -152,5 +152,5 @@ def _crash_loop(tmp_path: pathlib.Path, *, trials: int, seed: int) -> str:
 
 @pytest.mark.slow
 def test_kills_at_random_times_leave_the_uninterrupted_runs_files(tmp_path):
-  """SIGKILL at 30 random times, each followed by a rerun (`_crash_loop`)."""
-  print(_crash_loop(tmp_path, trials=30, seed=1))
+  """SIGKILL at 50 random times, each followed by a rerun (`_crash_loop`)."""
+  print(_crash_loop(tmp_path, trials=50, seed=1))

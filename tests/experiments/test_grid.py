@@ -255,7 +255,7 @@ def test_a_damaged_cell_file_is_named_set_aside_and_retrained(tmp_path):
   assert grid.done(tmp_path, TINY, cells[0])
 
 
-@pytest.mark.parametrize("damage", ["bytes", "truncated"])
+@pytest.mark.parametrize("damage", ["bytes", pytest.param("truncated", marks=pytest.mark.slow)])
 def test_a_damaged_partial_state_restarts_its_group_with_a_warning(tmp_path, damage):
   cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
   whole = grid.Group(TINY, cells).run(log=lambda *_: None)

@@ -118,6 +118,6 @@ def _crash_loop(tmp_path: pathlib.Path, cache: pathlib.Path, *, trials: int, see
 
 @pytest.mark.slow
 def test_kills_at_random_times_leave_the_uninterrupted_curves(tmp_path, compilation_cache):
-  """SIGKILL at 25 random times, each followed by a rerun: each launch resumes from the group's saved state and
+  """SIGKILL at 50 random times, each followed by a rerun: each launch resumes from the group's saved state and
   warns of no damage; every finished sweep's cells hold the uninterrupted sweep's curves (`_crash_loop`)."""
-  print(_crash_loop(tmp_path, compilation_cache, trials=25, seed=1))
+  print(_crash_loop(tmp_path, compilation_cache, trials=50, seed=1))

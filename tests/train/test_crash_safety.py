@@ -363,6 +363,7 @@ def _crash_loop(tmp_path: pathlib.Path, cache: pathlib.Path, *, trials: int, see
           f"checkpoint at each launch: {seen}; reference: {setup:.1f} s to the first step, {length:.1f} s in all")
 
 
+@pytest.mark.slow
 def test_a_few_kills_lose_no_step(tmp_path, compilation_cache):
   """Two launches killed at random times, then a resume to the end: each step logged once with the uninterrupted
   run's loss (`_crash_loop`)."""

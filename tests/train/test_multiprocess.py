@@ -195,9 +195,9 @@ def test_four_processes_train_and_checkpoint(tmp_path):
 
 
 def test_a_failure_ends_every_process(tmp_path):
-  """A run that fails (here in every process: an unknown model) ends at once with a non-zero status."""
+  """A run that fails (here in every process: an unknown model, a usage error) ends at once with its status, 2."""
   out = _launch(tmp_path, 2, "--config.model=nope-tiny")
-  assert out.returncode == 1, out.stdout[-3000:]
+  assert out.returncode == 2, out.stdout[-3000:]
   assert "[0] " in out.stdout and "[1] " in out.stdout and "`model`" in out.stdout
 
 
