@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from osdn_jax.testing import override
 from osdn_jax.train import checkpoints, configs, loop
 from osdn_jax.train.metrics import Writer
+from tests.train.test_integrity import _files, _metrics, _params
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -38,20 +38,6 @@ def _tiny(**changes):
   c.diagnostics_every = c.eval_every = 0
   c.batch_size, c.seq_len, c.optimizer.warmup_steps = 2, 16, 1
   return override(c, changes)
-
-
-def _metrics(workdir):
-  return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _params(model):
-  return jax.tree.leaves(nnx.state(model, nnx.Param).to_pure_dict())
-
-
-def _files(workdir) -> dict:
-  """{relative path: bytes} of every file under workdir but the lock."""
-  return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(pathlib.Path(workdir).rglob("*"))
-          if p.is_file() and p.name != "lock"}
 
 
 def _steps(workdir) -> list[str]:
