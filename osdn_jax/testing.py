@@ -228,24 +228,24 @@ def random_d_pass_inputs(seed: int, B: int = 2, T: int = 70, G: int = 4, K: int 
               d1=f(0.5 + 1.5 * rng.random(size=(segments or B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
 
 
-def vjp_all(fn, arrays: dict, seed: int = 1) -> dict:
-  """Runs fn(**arrays) → (o, S) and pulls random cotangents back to every array input.
+def vjp_all(fn, arrays: dict, seed: int = 1, outputs: tuple[str, ...] = ("o", "S")) -> dict:
+  """Runs fn(**arrays) → a tuple of arrays (the solves' (o, S)) and pulls random cotangents back to every array input.
 
-  Returns {"o", "S", and one gradient per non-None input, under the input's name}.
+  Returns {each output under its name in `outputs`, and one gradient per non-None input, under the input's name}.
   """
   names = [n for n, x in arrays.items() if x is not None]
   primals = [arrays[n] for n in names]
 
   def f(*xs):
-    return fn(**dict(arrays, **dict(zip(names, xs))))
+    return tuple(fn(**dict(arrays, **dict(zip(names, xs)))))
 
-  (o, S), pull = jax.vjp(f, *primals)
+  outs, pull = jax.vjp(f, *primals)
+  assert len(outs) == len(outputs), (len(outs), outputs)
   rng = np.random.default_rng(seed)
   # Cotangents rounded to bf16 values, so that runs in any dtype pull back exactly the same ones.
   draw = lambda x: jnp.asarray(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16), x.dtype)
-  ct = (draw(o), draw(S))
-  grads = pull(ct)
-  return dict(o=o, S=S, **dict(zip(names, grads)))
+  grads = pull(tuple(draw(o) for o in outs))
+  return dict(zip(outputs, outs), **dict(zip(names, grads)))
 
 
 def random_point_inputs(point, dims, seed: int, *, B=2, T=45, dtype=jnp.float32):

@@ -15,6 +15,12 @@ def default_interpret(interpret):
   return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
+def device_kind(interpret) -> str:
+  """The device kind a backend's tuning table is read at: "interpret" in interpret mode (`interpret` as
+  `default_interpret` returns it), else the first device's `device_kind` ("NVIDIA H200", "TPU v6 lite", ...)."""
+  return "interpret" if interpret else jax.devices()[0].device_kind
+
+
 def pad_axis(x, axis: int, size: int):
   """x zero-padded at the end of `axis` to `size`."""
   if x.shape[axis] == size:

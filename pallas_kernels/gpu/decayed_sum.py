@@ -173,7 +173,9 @@ decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recu
 
 
 def supports(spec: Spec) -> bool:
-  """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked."""
+  """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked; no config (it
+  takes none)."""
   return (spec.platform in ("gpu", "cpu")
           and spec.dtype in ("float32", "bfloat16")
-          and not spec.packed)
+          and not spec.packed
+          and spec.config is None)

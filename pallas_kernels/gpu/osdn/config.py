@@ -66,3 +66,15 @@ class Config:
 DEFAULT = Config()
 # Interpret mode: unrolling costs compile time only; kernel tables throughout (what the mode is for).
 INTERPRET = Config(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16, solve_t_init=16, tables="kernel")
+
+# By device kind (a substring of `jax.Device.device_kind`; "interpret": Pallas interpret mode). DEFAULT was measured
+# on an H200 (docs/benchmarks.md); other GPUs take it until measured.
+TUNING = {"interpret": INTERPRET, "H200": DEFAULT}
+
+
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT. Every
+  entry holds for every request (`spec`, unused here)."""
+  del spec
+  kind = (device_kind or "").lower()
+  return next((c for key, c in TUNING.items() if key.lower() in kind), DEFAULT)

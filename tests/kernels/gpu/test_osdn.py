@@ -352,8 +352,7 @@ def test_spanned_packed_and_config():
 
   def run(impl):
     def fn(u, n, beta, r, d1):
-      with osdn.configured(config):
-        return precond.osdn_d_pass(u, n, beta, r, d1, a["d0"], implementation=impl, **kw)
+      return precond.osdn_d_pass(u, n, beta, r, d1, a["d0"], implementation=impl, kernel_config=config, **kw)
     return fn
   got, want = _values_and_grads(run, [a[x] for x in ("u", "n", "beta", "r", "d1")], ("pallas", "reference"))
   _assert_close(got, want, ("u", "n", "beta", "r", "d1"))

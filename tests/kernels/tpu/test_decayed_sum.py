@@ -77,7 +77,7 @@ CASES = {   # (B, T, H, K, square, initial state, extreme gates, dtype, config)
     "T37-K64": (2, 37, 3, 64, True, False, True, F32, None),
     "T1-K128-plain": (2, 1, 2, 128, False, True, False, F32, None),
     "T300-K37-plain": (1, 300, 3, 37, False, True, True, F32, None),
-    "T300-K256-H16-v6e_blocks-bf16": (1, 300, 16, 256, True, True, False, jnp.bfloat16, ds.CONFIGS["v6e"]),
+    "T300-K256-H16-v6e_blocks-bf16": (1, 300, 16, 256, True, True, False, jnp.bfloat16, ds.TUNING["v6e"]),
 }
 
 
@@ -161,10 +161,10 @@ def test_registration_and_dispatch():
 
 
 def test_configs_layouts_and_errors():
-  assert ds.config_for("TPU v5 lite") == ds.CONFIGS["v5e"] and ds.config_for("TPU v5e") == ds.CONFIGS["v5e"]
-  assert ds.config_for("TPU v5") == ds.config_for("TPU v5p") == ds.CONFIGS["v5p"]
-  assert ds.config_for("TPU v6 lite") == ds.CONFIGS["v6e"] and ds.config_for("TPU v4") == ds.CONFIGS["v4"]
-  assert ds.config_for("cpu") == ds.Config() and ds.config_for() == ds.Config()    # this backend is a CPU
+  assert ds.default_config(None, "TPU v5 lite") == ds.TUNING["v5e"] and ds.default_config(None, "TPU v5e") == ds.TUNING["v5e"]
+  assert ds.default_config(None, "TPU v5") == ds.default_config(None, "TPU v5p") == ds.TUNING["v5p"]
+  assert ds.default_config(None, "TPU v6 lite") == ds.TUNING["v6e"] and ds.default_config(None, "TPU v4") == ds.TUNING["v4"]
+  assert ds.default_config(None, "cpu") == ds.Config() and ds.default_config() == ds.Config()    # this backend is a CPU
   for bad in ({"chunk": 100}, {"chunk": 0}, {"block_k": 64}, {"block_h": 4}, {"chunk": True}):
     with pytest.raises(ValueError, match=next(iter(bad))):
       ds.Config(**bad)
@@ -202,7 +202,7 @@ def test_compiles_for_tpu(topology, shape, record_property, capsys):
 
   from osdn_jax.train import aot
   devices = aot.topology_devices(topology)
-  config = ds.config_for(devices[0].device_kind)
+  config = ds.default_config(None, devices[0].device_kind)
   sd = lambda *s, dtype=F32: jax.ShapeDtypeStruct(s, dtype, sharding=SingleDeviceSharding(devices[0]))
   B, T, H, K = shape
 
@@ -231,7 +231,7 @@ def test_odd_shapes_compile_for_tpu():
 
   from osdn_jax.train import aot
   devices = aot.topology_devices("v5e:1x1")
-  config = ds.config_for(devices[0].device_kind)
+  config = ds.default_config(None, devices[0].device_kind)
   sd = lambda *s, dtype=F32: jax.ShapeDtypeStruct(s, dtype, sharding=SingleDeviceSharding(devices[0]))
 
   def loss(*args):
