@@ -101,6 +101,23 @@ def assert_trees_close(got: dict, want: dict, dtype, *, dtypes: dict | None = No
   return errors
 
 
+def assert_close_to_oracles(got: dict, want64: dict, want32: dict, tol: float) -> dict:
+  """Asserts every entry of `got` (fp32 results) is close to the fp64 oracle `want64` and to the fp32 oracle
+  `want32` (the same computation in fp32, the kernels' contract) where a serial recurrence with a clip or a bound
+  can round a value to either side of it: rel_rms to fp64 ≤ max(tol, 2·noise) and to fp32 ≤ max(tol, noise), noise
+  being rel_rms(want32, want64). chex checks shapes, finiteness and the fp32 dtype first. Returns the errors to
+  fp64."""
+  _chex_checks(got, want64, {n: jnp.float32 for n in want64})
+  errors, bad = {}, []
+  for name, w64 in want64.items():
+    e64, e32, noise = rel_rms(got[name], w64), rel_rms(got[name], want32[name]), rel_rms(want32[name], w64)
+    errors[name] = e64
+    if not (e64 <= max(tol, 2 * noise) and e32 <= max(tol, noise)):
+      bad.append(f"{name}: rel rms {e64:.3g} to fp64, {e32:.3g} to fp32 (fp32 to fp64: {noise:.3g})")
+  assert not bad, "; ".join(bad)
+  return errors
+
+
 # Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
 # `make test` runs these where a test would run every point; CI's slow step runs the others
 # (tests/dgps/test_points.py checks the cover).
@@ -246,6 +263,23 @@ def vjp_all(fn, arrays: dict, seed: int = 1, outputs: tuple[str, ...] = ("o", "S
   draw = lambda x: jnp.asarray(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16), x.dtype)
   grads = pull(tuple(draw(o) for o in outs))
   return dict(zip(outputs, outs), **dict(zip(names, grads)))
+
+
+def values_and_grads(fn, args, seed: int = 1) -> tuple:
+  """`vjp_all` for a function of positional arguments, as one jitted program: fn(*args) → an array or a tuple of
+  arrays; returns (its outputs..., the gradient w.r.t. every non-None argument, in order) under the random
+  cotangents `vjp_all` draws from `seed` (the same for every function of outputs of those shapes)."""
+  names = [f"arg{i}" for i in range(len(args))]
+  single = not isinstance(jax.eval_shape(fn, *args), (tuple, list))
+  count = 1 if single else len(jax.eval_shape(fn, *args))
+  outputs = tuple(f"out{i}" for i in range(count))
+
+  def call(**a):
+    out = fn(*(a[n] for n in names))
+    return (out,) if single else tuple(out)
+
+  got = jax.jit(lambda a: vjp_all(call, a, seed, outputs))(dict(zip(names, args)))
+  return tuple(got[o] for o in outputs) + tuple(got[n] for n, x in zip(names, args) if x is not None)
 
 
 def random_point_inputs(point, dims, seed: int, *, B=2, T=45, dtype=jnp.float32):

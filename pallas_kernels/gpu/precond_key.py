@@ -45,12 +45,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.arrays import check_precond_key, device_kind
+from pallas_kernels.arrays import check_precond_key, device_kind, moment_inputs
 from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
-from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec, is_pow2
+from pallas_kernels.spec import Spec, is_pow2
 from pallas_kernels.wrapper_math import head_major, pad_tokens, padded_length, pdn_scale, precond_transform
 
 
@@ -414,8 +414,7 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   config = config or default_config(None, device_kind(interpret))
   st = Static(transform, float(x), float(eps), float(lam), config, interpret)
   f32 = lambda a: jnp.asarray(a, F32)
-  A0 = jnp.zeros((b, h, kd), F32) if initial_state is None else f32(initial_state)
-  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
+  beta, g, A0 = moment_inputs("precond_key (pallas gpu)", k, log_decay, beta, initial_state)
   center = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
   return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, center, st)
 

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec
+from pallas_kernels.arrays import moment_inputs
+from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES, SQUEEZED as _SQ
 
@@ -244,21 +245,10 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret=None, 
   interpret: None (interpret on a CPU backend), a bool, or a `pltpu.InterpretParams` (`common.default_interpret`).
   config: block sizes (default `default_config()`, this backend's TPU generation).
   """
-  if x.ndim != 4:
-    raise ValueError(f"decayed_sum (pallas tpu): `x` must be [B, T, H, K], got shape {x.shape}")
-  b, t, h, k = x.shape
-  if min(b, t, h, k) < 1:
+  beta, g, A0 = moment_inputs("decayed_sum (pallas tpu)", x, log_decay, beta, initial_state)
+  if min(x.shape) < 1:
     raise ValueError(f"decayed_sum (pallas tpu): every dim of `x` must be ≥ 1, got shape {x.shape}")
-  for name, a in (("log_decay", log_decay), ("beta", beta)):
-    if a is not None and a.shape != (b, t, h):
-      raise ValueError(f"decayed_sum (pallas tpu): `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, k):
-    raise ValueError(f"decayed_sum (pallas tpu): `initial_state` must be [B, H, K] = {(b, h, k)}, got "
-                     f"{initial_state.shape}")
-  f32 = lambda a: None if a is None else jnp.asarray(a, F32)
-  A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
-  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
-  return _decayed_sum(x, f32(beta), g, A0, config or default_config(), common.default_interpret(interpret))
+  return _decayed_sum(x, beta, g, A0, config or default_config(), common.default_interpret(interpret))
 
 
 decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)

@@ -1,23 +1,20 @@
 """The conformance base of OSDN's d-pass: what every implementation of `osdn_jax.dgps.precond.osdn_d_pass` must
-compute (tests/kernels/test_conformance_d_pass.py runs it on every backend through `implementation=`).
+compute (tests/kernels/test_conformance_precond.py runs it on every backend through `implementation=`).
 
 `CASES` combine the features on small shapes: a retention with either anchor, both bounds acting, packed rows;
 `oracle` is the token-serial d-pass in fp64 and in fp32 (the kernels' contract), and `compare` checks ds, d_{T+1} and
-the gradient of every input (`osdn_jax.testing.vjp_all`) against both. Where d̄ lies within fp32 rounding of a
-bound, fp32 and fp64 may clip it differently and their gradients differ by that entry: each result must be within
-`TOL` of the fp64 oracle or, where the fp32 oracle itself is further from it, within twice that distance, and within
-`TOL` of the fp32 oracle or that distance.
+the gradient of every input (`osdn_jax.testing.vjp_all`) against both (`assert_close_to_oracles`: where d̄ lies
+within fp32 rounding of a bound, fp32 and fp64 may clip it differently and their gradients differ by that entry).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from osdn_jax.dgps import precond
-from osdn_jax.testing import assert_trees_close, random_d_pass_inputs, rel_rms, vjp_all
+from osdn_jax.testing import assert_close_to_oracles, random_d_pass_inputs
+from tests.kernels.conformance import jit_vjp_all
 
-BACKENDS = ("reference", "xla", "pallas-gpu", "pallas-tpu")
 OUTPUTS = ("ds", "d_last")
 TOL = 2e-5                    # relative RMS, fp32 against fp64 along a clipped serial recurrence of a few dozen tokens
 
@@ -50,32 +47,18 @@ def through_precond(implementation: str, **options):
   return call
 
 
-def jit_vjp_all(fn, arrays: dict) -> dict:
-  """`vjp_all` of the d-pass's two outputs as one jitted program, finished."""
-  return jax.block_until_ready(jax.jit(lambda a: vjp_all(fn, a, outputs=OUTPUTS))(arrays))
-
-
 def oracle(case: str) -> tuple[dict, dict]:
   """The token-serial results and gradients on the case's inputs, (fp64, fp32)."""
   arrays, options = problem(case)
   f64 = {n: None if x is None else jnp.asarray(x, jnp.float64) for n, x in arrays.items()}
   fn = through_precond("reference", **options)
-  return jit_vjp_all(fn, f64), jit_vjp_all(fn, arrays)
+  return jit_vjp_all(fn, f64, OUTPUTS), jit_vjp_all(fn, arrays, OUTPUTS)
 
 
 def compare(implementation: str, case: str, *, want: tuple[dict, dict] | None = None) -> dict:
   """ds, d_{T+1} and every input's gradient by `implementation` against the oracles (`want`, when computed
   already; the module docstring's criterion), fp32 results; returns the errors against fp64."""
   arrays, options = problem(case)
-  got = jit_vjp_all(through_precond(implementation, **options), arrays)
+  got = jit_vjp_all(through_precond(implementation, **options), arrays, OUTPUTS)
   want64, want32 = oracle(case) if want is None else want
-  # Shapes, finiteness and dtypes (chex), at a tolerance every name passes: the bounds are checked below.
-  assert_trees_close(got, want64, jnp.float32, dtypes={n: jnp.float32 for n in want64}, tol=(0.0, np.inf))
-  errors, bad = {}, []
-  for name, w64 in want64.items():
-    e64, e32, noise = rel_rms(got[name], w64), rel_rms(got[name], want32[name]), rel_rms(want32[name], w64)
-    errors[name] = e64
-    if not (e64 <= max(TOL, 2 * noise) and e32 <= max(TOL, noise)):
-      bad.append(f"{name}: rel rms {e64:.3g} to fp64, {e32:.3g} to fp32 (fp32 to fp64: {noise:.3g})")
-  assert not bad, "; ".join(bad)
-  return errors
+  return assert_close_to_oracles(got, want64, want32, TOL)

@@ -19,7 +19,7 @@ import pallas_kernels
 from osdn_jax.dgps import precond
 from osdn_jax.ops import dispatch
 from osdn_jax.ops.scan import affine_scan
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import rel_rms, values_and_grads
 from pallas_kernels.gpu import decayed_sum as gpu_ds
 from pallas_kernels.spec import OPS, Spec
 from pallas_kernels.tpu import common
@@ -43,23 +43,6 @@ def _inputs(seed, B, T, H, K, dtype=F32, extreme=False):
     beta[:, 7], beta[:, 8] = 0.0, 1.0
   A0 = jnp.asarray(rng.random(size=(B, H, K)), F32)
   return x, jnp.asarray(g, F32), jnp.asarray(beta, F32), A0
-
-
-def _values_and_grads(fn, args, seed=1):
-  """(outputs, gradients of Σ ⟨w, outputs⟩ w.r.t. every non-None argument), one jitted program."""
-  where = [i for i, a in enumerate(args) if a is not None]
-  rng = np.random.default_rng(seed)
-  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in jax.eval_shape(fn, *args)]
-
-  def loss(*xs):
-    full = list(args)
-    for i, x in zip(where, xs):
-      full[i] = x
-    outs = fn(*full)
-    return sum(jnp.sum(o * w.astype(o.dtype)) for o, w in zip(outs, ws)), outs
-  run = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(where))), has_aux=True))
-  (_, outs), grads = run(*(args[i] for i in where))
-  return tuple(outs) + tuple(grads)
 
 
 def _contract(x, g, beta, A0, *, precision):
@@ -90,13 +73,13 @@ def test_interpret_parity(case, races):
   args = (x, g, beta if square else None, A0 if initial else None)
   kernel = lambda x, g, beta, A0: ds.decayed_sum(x, g, beta=beta, initial_state=A0, interpret=INTERPRET,
                                                  config=config)
-  got = _values_and_grads(kernel, args)
+  got = values_and_grads(kernel, args)
   names = ["A", "A_T", "dx", "dg"] + (["dbeta"] if square else []) + (["dA0"] if initial else [])
   assert len(got) == len(names) and got[0].dtype == F32 and got[2].dtype == dtype
   for precision in ("fp32", "fp64"):
     contract = lambda x, g, beta, A0: _contract(x, g, beta, jnp.zeros((B, H, K), F32) if A0 is None else A0,
                                                 precision=precision)
-    want = _values_and_grads(contract, args)
+    want = values_and_grads(contract, args)
     for name, a, b in zip(names, got, want):
       tol = 2**-8 if name == "dx" and dtype == jnp.bfloat16 else TOL
       assert a.shape == b.shape and np.all(np.isfinite(np.asarray(a))), (precision, name)
@@ -132,7 +115,7 @@ def test_precond_key(transform, races):
     def ref(k, g, b, a0, q):
       return precond.atq_query(q, k, b, g, lam=0.5, initial_state=a0, implementation="xla")
     args = (x, g, beta, A0, q)
-  got, want = _values_and_grads(fn, args), _values_and_grads(ref, args)
+  got, want = values_and_grads(fn, args), values_and_grads(ref, args)
   errors = [rel_rms(a, b) for a, b in zip(got, want)]
   assert max(errors) < TOL, errors
   with pytest.raises(ValueError, match="center"):
