@@ -23,6 +23,12 @@ def device_kind(interpret) -> str:
   return "interpret" if interpret else jax.devices()[0].device_kind
 
 
+def tuning_entry(table: dict, device_kind: str | None, default):
+  """A tuning table's entry for `device_kind`: the first whose key it contains (case-insensitive), else `default`."""
+  kind = (device_kind or "").lower()
+  return next((entry for key, entry in table.items() if key.lower() in kind), default)
+
+
 def pad_axis(x, axis: int, size: int):
   """x zero-padded at the end of `axis` to `size`."""
   if x.shape[axis] == size:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.arrays import check_precond_key, device_kind, moment_inputs
+from pallas_kernels.arrays import check_precond_key, device_kind, moment_inputs, tuning_entry
 from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
@@ -87,8 +87,7 @@ TUNING = {"interpret": INTERPRET, "H200": DEFAULT}     # by device kind, as `osd
 def default_config(spec=None, device_kind: str | None = None) -> Config:
   """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT."""
   del spec
-  kind = (device_kind or "").lower()
-  return next((c for key, c in TUNING.items() if key.lower() in kind), DEFAULT)
+  return tuning_entry(TUNING, device_kind, DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.arrays import tuning_entry
 from pallas_kernels.gpu import common
 from pallas_kernels.gpu.common import MAX_DIM
 from pallas_kernels.spec import CHUNK_SIZES, is_pow2
@@ -195,5 +196,4 @@ def default_config(spec=None, device_kind: str | None = None) -> Config:
   """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT. Every
   entry holds for every request (`spec`, unused here): the rules that depend on it are `heuristics`'."""
   del spec
-  kind = (device_kind or "").lower()
-  return next((c for key, c in TUNING.items() if key.lower() in kind), DEFAULT)
+  return tuning_entry(TUNING, device_kind, DEFAULT)

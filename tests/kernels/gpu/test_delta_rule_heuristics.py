@@ -1,5 +1,7 @@
 """The launch rules of the GPU delta-rule kernels (`pallas_kernels.gpu.delta_rule.heuristics`) and the checks of
 their config (`config.Config`): which chunk, V block, warps, stages and flags a request gets. No kernel runs."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +193,15 @@ def test_config_checks_and_overrides():
     DEFAULT.check(24)
   with pytest.raises(ValueError, match="Chunks.sub=32 must divide chunk_size=16"):
     DEFAULT.override(chunks__sub=32).check(16)
+
+
+def test_tuning_table():
+  """`default_config` reads the tuning table by device kind ("interpret" in interpret mode; kinds without an entry
+  get DEFAULT), and the largest chunks measured are the config's own data (`Chunks.tuned`): without them the
+  requested chunk runs."""
+  assert gpu.default_config(None, "NVIDIA H200") is gpu.TUNING["H200"]
+  assert gpu.default_config(None, "interpret") is gpu.TUNING["interpret"]
+  assert gpu.default_config(None, "NVIDIA A100-SXM4-40GB") is gpu.DEFAULT
+  untuned = dataclasses.replace(DEFAULT, chunks=dataclasses.replace(DEFAULT.chunks, tuned=()))
+  assert heuristics.chunk(DEFAULT, "none", 64, dtype=F32, kdim=128) == 16
+  assert heuristics.chunk(untuned, "none", 64, dtype=F32, kdim=128) == 64
