@@ -26,8 +26,9 @@ CASES = {
 
 
 def problem(case: str) -> tuple[dict, dict]:
-  """(arrays, options) of `CASES[case]`: u, n, beta (σ(z + ½), never 0), retention or None, d1 ([N, G, K] packed),
-  d_init; the options η, bounds, anchor and the raw segment ids (None unpacked)."""
+  """(arrays, options) of `CASES[case]`: u = k ⊙ k and n of unit normal keys (not spiky ones: a channel with u ≈ 0
+  leaves a clipped d on its bound in fp32 but not in fp64), beta (σ(z + ½), never 0), retention or None, d1
+  ([N, G, K] packed), d_init; the options η, bounds, anchor and the raw segment ids (None unpacked)."""
   b, t, g, k, learned_r, anchor, eta, lo, hi, rows = CASES[case]
   ids = None
   if rows is not None:
@@ -35,8 +36,11 @@ def problem(case: str) -> tuple[dict, dict]:
   count = sum(map(len, rows)) if rows is not None else 0
   a = random_d_pass_inputs(t + k, B=b, T=t, G=g, K=k, segments=count)
   rng = np.random.default_rng(t * k)
+  keys = rng.normal(size=(b, t, g, k))
+  u = jnp.asarray((keys / np.linalg.norm(keys, axis=-1, keepdims=True)) ** 2, jnp.float32)
   beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, t, g)) - 0.5)), jnp.float32)
-  arrays = dict(u=a["u"], n=a["n"], beta=beta, retention=a["r"] if learned_r else None, d1=a["d1"], d_init=a["d0"])
+  arrays = dict(u=u, n=jnp.maximum(jnp.sum(u, -1), 1e-12), beta=beta, retention=a["r"] if learned_r else None,
+                d1=a["d1"], d_init=a["d0"])
   return arrays, dict(eta=eta, d_min=lo, d_max=hi, apf_anchor=anchor, segment_ids=ids)
 
 
