@@ -7,13 +7,12 @@ arrays). End-to-end ops run the preconditioner's first pass and the solve; compo
 
 A `Variant` is "default" or "<family>:<field=value>+<field=value>..." over the launch parameters of one kernel
 family (`FAMILIES`); it applies to the pallas implementation of the ops that call that family (`Op.families`).
-A non-default delta_rule variant calls `pallas_kernels.gpu.delta_rule` directly with its config (the default goes
-through the public API, which traces the same program); osdn variants call `pallas_kernels.gpu.osdn.d_pass`,
-precond_key variants `pallas_kernels.gpu.precond_key.precond_key`.
+Every variant goes through the public API, its config as the call's `kernel_config` (the family's calls only: a
+delta_rule variant's config reaches the solve, an osdn variant's the d-pass and its guard, a precond_key variant's
+PDN's key and ATQ's query).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -66,19 +65,18 @@ DEFAULT = Variant("default")
 
 
 def family_config(family: str, items=()):
-  """The family's default Config (as the kernel picks it on this backend) with `items` applied (`Config.override`:
-  "field=value", for delta_rule "group.field=value")."""
-  from pallas_kernels.gpu.common import default_interpret
+  """The family's default Config (as the kernel picks it on this backend: `default_config`) with `items` applied
+  (`Config.override`: "field=value", for delta_rule "group.field=value")."""
+  from pallas_kernels.arrays import default_interpret, device_kind
   if family == "delta_rule":
-    from pallas_kernels.gpu import delta_rule
-    return delta_rule.DEFAULT.override(*items)
-  if family == "osdn":
+    from pallas_kernels.gpu import delta_rule as module
+  elif family == "osdn":
     from pallas_kernels.gpu import osdn as module
   elif family == "precond_key":
     from pallas_kernels.gpu import precond_key as module
   else:
     raise ValueError(f"unknown kernel family {family!r}: one of {FAMILIES}")
-  return (module.INTERPRET if default_interpret(None) else module.DEFAULT).override(*items)
+  return module.default_config(None, device_kind(default_interpret(None))).override(*items)
 
 
 def parse_kernel_variant(text: str) -> Variant:
@@ -195,36 +193,25 @@ def _d_pass_inputs(retention: bool):
 # ---------------------------------------------------------------------------------------------------------
 # The calls, with a variant's config where it applies.
 # ---------------------------------------------------------------------------------------------------------
+def _config(variant, family: str):
+  """The variant's config for the calls of `family` (None for the others: their kernels' defaults)."""
+  return variant.config if variant.family == family else None
+
+
 def _solve(impl, variant, q, k, v, beta, *, segment_ids=None, output_final_state=False, **kw):
-  """`ops.delta_rule`, or the Pallas kernel itself with a delta_rule variant's config (packed: segment numbers,
-  N from the per-segment initial states)."""
-  if variant.family == "delta_rule":
-    from pallas_kernels.gpu import delta_rule
-    if segment_ids is not None:
-      kw.update(segment_ids=packing.segment_index(segment_ids), num_segments=kw["initial_state"].shape[0])
-    o, S = delta_rule.delta_rule(q, k, v, beta, config=variant.config, **kw)
-    return o, (S if output_final_state else None)
+  """`ops.delta_rule` with a delta_rule variant's config."""
   return ops.delta_rule(q, k, v, beta, segment_ids=segment_ids, output_final_state=output_final_state,
-                        implementation=impl, **kw)
+                        implementation=impl, kernel_config=_config(variant, "delta_rule"), **kw)
 
 
 def _precond(impl, variant, transform, k, beta_p, g_p, *, q=None, center=None, initial_state=None):
-  """`precond.pdn_write_key` / `atq_query`, or the fused kernel with a precond_key variant's config."""
-  if variant.family == "precond_key":
-    from pallas_kernels.gpu import precond_key
-    return precond_key.precond_key(k, beta_p, g_p, transform=transform, q=q, center=center,
-                                   initial_state=initial_state, config=variant.config)
+  """`precond.pdn_write_key` / `atq_query` with a precond_key variant's config."""
+  config = _config(variant, "precond_key")
   if transform == "pdn":
-    return precond.pdn_write_key(k, beta_p, g_p, center, initial_state=initial_state, implementation=impl)
-  return precond.atq_query(q, k, beta_p, g_p, initial_state=initial_state, implementation=impl)
-
-
-def _osdn_config(variant):
-  """The d-pass kernel config of an osdn variant for calls that take none (`osdn.configured`)."""
-  if variant.family != "osdn":
-    return contextlib.nullcontext()
-  from pallas_kernels.gpu import osdn
-  return osdn.configured(variant.config)
+    return precond.pdn_write_key(k, beta_p, g_p, center, initial_state=initial_state, implementation=impl,
+                                 kernel_config=config)
+  return precond.atq_query(q, k, beta_p, g_p, initial_state=initial_state, implementation=impl,
+                           kernel_config=config)
 
 
 def _end_to_end(first_pass: str | None):
@@ -236,8 +223,8 @@ def _end_to_end(first_pass: str | None):
         center = jnp.full((x["k"].shape[2],), CENTER, jnp.float32)
         k_write, _ = _precond(impl, variant, "pdn", x["k"], x["beta_p"], x["g_p"], center=center)
       elif first_pass == "osdn":
-        with _osdn_config(variant):
-          k_write, _ = precond.osdn_write_key(x["k"], x["beta"], retention=x.get("r"), implementation=impl)
+        k_write, _ = precond.osdn_write_key(x["k"], x["beta"], retention=x.get("r"), implementation=impl,
+                                            kernel_config=_config(variant, "osdn"))
       o, _ = _solve(impl, variant, x["q"], x["k"], x["v"], x["beta"], k_write=k_write, log_decay=x.get("g"))
       return (o,)
     return f
@@ -253,12 +240,8 @@ def _packed(impl, variant):
 
 def _offline(impl, variant):
   def f(x):
-    if variant.family == "delta_rule":
-      from pallas_kernels.gpu import delta_rule
-      return delta_rule.linear_attention(x["q"], x["k"], x["v"], beta=x["beta"], log_decay=x["gc"],
-                                         config=variant.config)
     return ops.linear_attention(x["q"], x["k"], x["v"], beta=x["beta"], log_decay=x["gc"], output_final_state=True,
-                                implementation=impl)
+                                implementation=impl, kernel_config=_config(variant, "delta_rule"))
   return f
 
 
@@ -285,18 +268,15 @@ def _with_states(impl, variant):
 def _d_pass(impl, variant):
   def f(x):
     args = (x["u"], x["n"], x["beta"], x.get("r"), x["d1"], x["d_init"])
-    if variant.family == "osdn":
-      from pallas_kernels.gpu import osdn
-      return osdn.d_pass(*args, config=variant.config, **D_PASS)
-    return precond.osdn_d_pass(*args, implementation=impl, **D_PASS)
+    return precond.osdn_d_pass(*args, implementation=impl, kernel_config=_config(variant, "osdn"), **D_PASS)
   return f
 
 
 def _osdn_packed(impl, variant):
-  del variant
   def f(x):
     return precond.osdn_write_key(x["k"], x["beta"], retention=x["r"], initial_state=x["d0"],
-                                  segment_ids=x["segment_ids"], implementation=impl)
+                                  segment_ids=x["segment_ids"], implementation=impl,
+                                  kernel_config=_config(variant, "osdn"))
   return f
 
 
@@ -390,7 +370,7 @@ OPS = {op.name: op for op in (
                reference_max_t=None, inputs=_d_pass_inputs(False)),
     _component("osdn_packed", "precond.osdn_write_key packed: APF retention, per-segment initial d, clip [0, 8]",
                ("k", "beta", "r", "d0", "segment_ids"), ("k",), ("k_write", "d_last"), _osdn_packed,
-               reference_max_t=None),
+               families=("osdn",), reference_max_t=None),
 )}
 END_TO_END = ("dn", "gdn", "kda", "pdn", "pgdn", "pkda", "osdn", "osdn-apf")
 COMPONENTS = tuple(n for n in OPS if n not in END_TO_END)

@@ -110,7 +110,7 @@ def _pallas_fwd(case: Case, sharding, decay: str):
     q, k, v = (x.reshape(b, t, h, kd) for x in (q, k, v))
     g = g.reshape(b, t, h, kd) if decay == "channel" else g
     o, S = tdr.forward(q, k, v, beta, log_decay=g, chunk_size=case.chunk, interpret=False,
-                       config=tdr.config_for(case.chip.name))
+                       config=tdr.default_config(None, case.chip.name))
     return o.reshape(b, t, -1), S
   return fn, list(_arrays(case, sharding, decay, flat=True))
 
@@ -121,7 +121,7 @@ def _pallas_grad(case: Case, sharding, decay: str):
 
   def fn(q, k, v, beta, g):
     return tdr.delta_rule(q, k, v, beta, log_decay=g, chunk_size=case.chunk, interpret=False,
-                          config=tdr.config_for(case.chip.name))
+                          config=tdr.default_config(None, case.chip.name))
   return _value_and_grad(fn, _arrays(case, sharding, decay))
 
 
@@ -130,7 +130,7 @@ def _second_moment(case: Case, sharding, impl: str):
   (`precond.second_moment`, an associative scan) or the TPU kernel with the chip's block sizes."""
   from osdn_jax.dgps import precond
   from pallas_kernels.tpu import decayed_sum as ds
-  config = ds.config_for(case.chip.name)
+  config = ds.default_config(None, case.chip.name)
 
   def fn(k, beta, g):
     if impl == "xla":
@@ -157,7 +157,7 @@ def _modelled_kernels(case: Case, decay: str, *, t_passes: int = tc.HIGHEST_PASS
 def _decayed_sum_kernels(case: Case):
   """`decayed_sum` and `decayed_sum_reverse` with the chip's block sizes: grid (B, H / Hb, K / W, T / C)."""
   from pallas_kernels.tpu import decayed_sum as ds
-  lay = ds.layout(case.T, case.H, case.K, ds.config_for(case.chip.name))
+  lay = ds.layout(case.T, case.H, case.K, ds.default_config(None, case.chip.name))
   programs = case.B * (case.H // lay.block_h) * (case.K // lay.width)
   steps = programs * lay.tp // lay.chunk
   return [tc.Launch(tc.decayed_sum_step(lay.chunk, lay.width, lay.block_h, case.H, reverse=r), steps, programs)

@@ -101,6 +101,23 @@ def assert_trees_close(got: dict, want: dict, dtype, *, dtypes: dict | None = No
   return errors
 
 
+def assert_close_to_oracles(got: dict, want64: dict, want32: dict, tol: float) -> dict:
+  """Asserts every entry of `got` (fp32 results) is close to the fp64 oracle `want64` and to the fp32 oracle
+  `want32` (the same computation in fp32, the kernels' contract) where a serial recurrence with a clip or a bound
+  can round a value to either side of it: rel_rms to fp64 ≤ max(tol, 2·noise) and to fp32 ≤ max(tol, noise), noise
+  being rel_rms(want32, want64). chex checks shapes, finiteness and the fp32 dtype first. Returns the errors to
+  fp64."""
+  _chex_checks(got, want64, {n: jnp.float32 for n in want64})
+  errors, bad = {}, []
+  for name, w64 in want64.items():
+    e64, e32, noise = rel_rms(got[name], w64), rel_rms(got[name], want32[name]), rel_rms(want32[name], w64)
+    errors[name] = e64
+    if not (e64 <= max(tol, 2 * noise) and e32 <= max(tol, noise)):
+      bad.append(f"{name}: rel rms {e64:.3g} to fp64, {e32:.3g} to fp32 (fp32 to fp64: {noise:.3g})")
+  assert not bad, "; ".join(bad)
+  return errors
+
+
 # Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
 # `make test` runs these where a test would run every point; CI's slow step runs the others
 # (tests/dgps/test_points.py checks the cover).
@@ -228,24 +245,41 @@ def random_d_pass_inputs(seed: int, B: int = 2, T: int = 70, G: int = 4, K: int 
               d1=f(0.5 + 1.5 * rng.random(size=(segments or B, G, K))), d0=f(0.8 + 0.4 * rng.random(size=(G, K))))
 
 
-def vjp_all(fn, arrays: dict, seed: int = 1) -> dict:
-  """Runs fn(**arrays) → (o, S) and pulls random cotangents back to every array input.
+def vjp_all(fn, arrays: dict, seed: int = 1, outputs: tuple[str, ...] = ("o", "S")) -> dict:
+  """Runs fn(**arrays) → a tuple of arrays (the solves' (o, S)) and pulls random cotangents back to every array input.
 
-  Returns {"o", "S", and one gradient per non-None input, under the input's name}.
+  Returns {each output under its name in `outputs`, and one gradient per non-None input, under the input's name}.
   """
   names = [n for n, x in arrays.items() if x is not None]
   primals = [arrays[n] for n in names]
 
   def f(*xs):
-    return fn(**dict(arrays, **dict(zip(names, xs))))
+    return tuple(fn(**dict(arrays, **dict(zip(names, xs)))))
 
-  (o, S), pull = jax.vjp(f, *primals)
+  outs, pull = jax.vjp(f, *primals)
+  assert len(outs) == len(outputs), (len(outs), outputs)
   rng = np.random.default_rng(seed)
   # Cotangents rounded to bf16 values, so that runs in any dtype pull back exactly the same ones.
   draw = lambda x: jnp.asarray(jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16), x.dtype)
-  ct = (draw(o), draw(S))
-  grads = pull(ct)
-  return dict(o=o, S=S, **dict(zip(names, grads)))
+  grads = pull(tuple(draw(o) for o in outs))
+  return dict(zip(outputs, outs), **dict(zip(names, grads)))
+
+
+def values_and_grads(fn, args, seed: int = 1) -> tuple:
+  """`vjp_all` for a function of positional arguments, as one jitted program: fn(*args) → an array or a tuple of
+  arrays; returns (its outputs..., the gradient w.r.t. every non-None argument, in order) under the random
+  cotangents `vjp_all` draws from `seed` (the same for every function of outputs of those shapes)."""
+  names = [f"arg{i}" for i in range(len(args))]
+  single = not isinstance(jax.eval_shape(fn, *args), (tuple, list))
+  count = 1 if single else len(jax.eval_shape(fn, *args))
+  outputs = tuple(f"out{i}" for i in range(count))
+
+  def call(**a):
+    out = fn(*(a[n] for n in names))
+    return (out,) if single else tuple(out)
+
+  got = jax.jit(lambda a: vjp_all(call, a, seed, outputs))(dict(zip(names, args)))
+  return tuple(got[o] for o in outputs) + tuple(got[n] for n, x in zip(names, args) if x is not None)
 
 
 def random_point_inputs(point, dims, seed: int, *, B=2, T=45, dtype=jnp.float32):

@@ -4,8 +4,10 @@ A backend module (`pallas_kernels.gpu`, `pallas_kernels.tpu`) registers, per op,
 the op's XLA implementation and a predicate `supports(spec)` over the typed request (`pallas_kernels.spec.Spec`).
 `lookup(spec)` returns the first registered kernel that supports the request, or None: `implementation="auto"` then
 falls back to XLA and "pallas", "pallas-gpu" and "pallas-tpu" raise (`osdn_jax.ops.dispatch`, the one place the
-library reaches the kernels, which sets `spec.platform` to the platform an explicit value names). Nothing here
-imports `osdn_jax`.
+library reaches the kernels, which sets `spec.platform` to the platform an explicit value names, and calls the
+kernel with `config=spec.config` when the request carries one backend's launch parameters: a kernel supports only
+its own backend's, `spec.config_of(Config)`). Each kernel reads its defaults from its backend's tuning table,
+`default_config(spec, device_kind)`. Nothing here imports `osdn_jax`.
 
 The backends are imported lazily, on the first `lookup`: importing this package pulls in nothing beyond the
 standard library.

@@ -6,6 +6,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.spec import LOG_DECAY_FLOOR
+
 TRANSFORMS = ("pdn", "atq")     # the preconditioned keys: PDN's write key, ATQ's query
 
 
@@ -13,6 +15,18 @@ def default_interpret(interpret):
   """`interpret` None: True on a CPU backend (the kernels then run in Pallas' interpreter), else False; any other
   value as given (each backend's `common.default_interpret` turns it into what its `pallas_call` takes)."""
   return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def device_kind(interpret) -> str:
+  """The device kind a backend's tuning table is read at: "interpret" in interpret mode (`interpret` as
+  `default_interpret` returns it), else the first device's `device_kind` ("NVIDIA H200", "TPU v6 lite", ...)."""
+  return "interpret" if interpret else jax.devices()[0].device_kind
+
+
+def tuning_entry(table: dict, device_kind: str | None, default):
+  """A tuning table's entry for `device_kind`: the first whose key it contains (case-insensitive), else `default`."""
+  kind = (device_kind or "").lower()
+  return next((entry for key, entry in table.items() if key.lower() in kind), default)
 
 
 def pad_axis(x, axis: int, size: int):
@@ -58,6 +72,23 @@ def check_precond_key(where: str, k, beta, log_decay, transform, q, center, x, e
     raise ValueError(f"{where}: `x`, `eps` and `lam` must be static numbers, got {x!r}, {eps!r}, {lam!r}")
   if not (x > 0 and eps >= 0 and lam > 0):
     raise ValueError(f"{where}: need x > 0, eps ≥ 0 and lam > 0, got x={x}, eps={eps}, lam={lam}")
+
+
+def moment_inputs(where: str, x, log_decay, beta, initial_state):
+  """The second moment's inputs as every backend's kernels take them: (beta fp32 or None, log_decay fp32 clamped at
+  LOG_DECAY_FLOOR, A0 fp32 [B, H, K], zeros when not given), after the checks: x [B, T, H, K]; log_decay [B, T, H];
+  beta None or [B, T, H]; initial_state None or [B, H, K] (ValueError naming the argument)."""
+  if x.ndim != 4:
+    raise ValueError(f"{where}: `x` must be [B, T, H, K], got shape {x.shape}")
+  b, t, h, k = x.shape
+  for name, a in (("log_decay", log_decay), ("beta", beta)):
+    if (a is not None or name == "log_decay") and jnp.shape(a) != (b, t, h):
+      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got {jnp.shape(a)}")
+  if initial_state is not None and initial_state.shape != (b, h, k):
+    raise ValueError(f"{where}: `initial_state` must be [B, H, K] = {(b, h, k)}, got {initial_state.shape}")
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+  A0 = jnp.zeros((b, h, k), jnp.float32) if initial_state is None else f32(initial_state)
+  return f32(beta), jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR), A0
 
 
 def check_segment_ids(where: str, segment_ids, shape, num_segments):

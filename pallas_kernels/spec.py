@@ -7,6 +7,7 @@ asks `pallas_kernels.lookup(spec)` for the first kernel that supports the reques
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 OPS = ("delta_rule", "linear_attention", "osdn_d_pass", "osdn_guard", "decayed_sum", "precond_key")
 DECAYS = ("none", "scalar", "channel")
@@ -37,7 +38,9 @@ class Spec:
   batch, length, heads, value_heads: B, T, H, HV (length None for one-token steps). decay: "none" | "scalar" |
   "channel". chunk_size: the requested chunk (0 where the op has none). packed: `segment_ids` were given;
   num_segments: N when static (B when unpacked), else None. static_params: the op's scalar options (e.g. PDN's
-  x, OSDN's η and bounds) are Python numbers, not traced values.
+  x, OSDN's η and bounds) are Python numbers, not traced values. config: None (each kernel's `default_config`) or
+  one backend's launch parameters (its `Config`, hashable), handed to the kernel that supports the request; a
+  kernel supports a request only with its own backend's config or none.
   """
   op: str
   platform: str
@@ -53,12 +56,17 @@ class Spec:
   packed: bool = False
   num_segments: int | None = None
   static_params: bool = True
+  config: Any = None
 
   def __post_init__(self):
     if self.op not in OPS:
       raise ValueError(f"Spec: `op` must be one of {OPS}, got {self.op!r}")
     if self.decay not in DECAYS:
       raise ValueError(f"Spec: `decay` must be one of {DECAYS}, got {self.decay!r}")
+
+  def config_of(self, config_type: type) -> bool:
+    """Whether the request's config is None or a `config_type` (a kernel supports only its own backend's)."""
+    return self.config is None or isinstance(self.config, config_type)
 
   @property
   def groups(self) -> int:

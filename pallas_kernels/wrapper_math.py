@@ -1,8 +1,8 @@
 """What every kernel backend's wrappers compute in plain JAX around their kernels, the same on each platform.
 
-The solves (`delta_rule`, `linear_attention`): the input dtypes and checks, the traced scale folded into q, the
-chunk-aligned row of packed sequences (`packed`), padding of tokens, gates and states, the scalar decay's
-in-chunk cumsum, per-channel log-decays handed on in a dtype the kernels read, per-value-head gradients summed
+The solves (`delta_rule`, `linear_attention`; their wrapper is `delta_rule_shell`): the input dtypes, the traced
+scale folded into q, the chunk-aligned row of packed sequences (`packed`), padding of tokens, gates and states, the
+scalar decay's in-chunk cumsum, per-channel log-decays handed on in a dtype the kernels read, per-value-head gradients summed
 over each key head's group, and the offline solve as the online one with a zero erase key. The preconditioners:
 PDN's key scale M(A) and ATQ's query, the transforms of `precond_key` (pure jnp: also valid on a kernel's register
 values). `arrays` holds the helpers of every op family (padding one axis, the static scale, argument checks);
@@ -20,32 +20,6 @@ from pallas_kernels.arrays import pad_axis
 from pallas_kernels.spec import LOG_DECAY_FLOOR
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-
-def check_solve(where: str, q, k, v, beta, k_write, log_decay, initial_state, rows: int):
-  """ValueError naming the argument unless q is bf16 or fp32 and the shapes are the solve's: q, k [B, T, H, K];
-  v [B, T, HV, V] with H dividing HV; beta [B, T, HV]; k_write None or [B, T, H or HV, K]; log_decay None,
-  [B, T, HV] or [B, T, HV, K]; initial_state None or [rows, HV, K, V] (rows: B, or N when packed)."""
-  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    raise ValueError(f"{where}: dtype {jnp.dtype(q.dtype).name} not supported (bfloat16, float32)")
-  if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
-    raise ValueError(f"{where}: q, k must be [B, T, H, K] and v [B, T, HV, V] with one B, T; got q {q.shape}, "
-                     f"k {k.shape}, v {v.shape}")
-  b, t, h, kd = q.shape
-  hv, vd = v.shape[2:]
-  if hv % h:
-    raise ValueError(f"{where}: value heads HV = {hv} must be a multiple of the key heads H = {h}")
-  if beta.shape != (b, t, hv):
-    raise ValueError(f"{where}: `beta` must be [B, T, HV] = {(b, t, hv)}, got {beta.shape}")
-  if k_write is not None and (k_write.ndim != 4 or k_write.shape[:2] != (b, t) or k_write.shape[2] not in (h, hv)
-                              or k_write.shape[3] != kd):
-    raise ValueError(f"{where}: `k_write` must be [B, T, H or HV, K], got {k_write.shape}")
-  if log_decay is not None and log_decay.shape not in ((b, t, hv), (b, t, hv, kd)):
-    raise ValueError(f"{where}: `log_decay` must be [B, T, HV] = {(b, t, hv)} or [B, T, HV, K] = {(b, t, hv, kd)}, "
-                     f"got {log_decay.shape}")
-  if initial_state is not None and initial_state.shape != (rows, hv, kd, vd):
-    raise ValueError(f"{where}: `initial_state` must be [B (N when packed), HV, K, V] = {(rows, hv, kd, vd)}, got "
-                     f"{initial_state.shape}")
 
 
 def fold_scale(q, scale, scale_arr):

@@ -67,16 +67,18 @@ _RESET_LOG_DECAY = -30.0
 
 
 def _choose(op, dtype, key_dim, segment_ids, implementation, static_params=True, initial_state=None,
-            log_decay_p=None):
-  """(kind, kernel, log_decay_p) for one preconditioner pass (kind "reference", "xla" or "pallas").
+            log_decay_p=None, config=None):
+  """(kind, kernel, log_decay_p) for one preconditioner pass (kind "reference", "xla" or "pallas"); `config`: the
+  caller's `kernel_config` (`ops.dispatch`).
 
   The second-moment kernels are unpacked. Packed with traced segment_ids and no carried state (a training
   step: no per-segment final state can be returned then either), a segment start is the same as a log-decay
   of −∞ there, so "auto" and "pallas" run the unpacked kernel on the log-decays with the starts folded in."""
   fold = (segment_ids is not None and initial_state is None and log_decay_p is not None
           and num_segments(segment_ids, None) is None)
+  dispatch.check_config(op, config)
   request = dispatch.spec(op, dtype, key_dim=key_dim, packed=segment_ids is not None and not fold,
-                          static_params=static_params)
+                          static_params=static_params, config=config)
   why = "" if static_params else "the transform's constants must be static numbers"
   if fold:
     try:
@@ -115,15 +117,17 @@ def _confined(run, k, beta_p, log_decay_p, segment_ids, kernel):
   return y, A_T
 
 
-def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto"):
+def second_moment(k, beta_p, log_decay_p, *, initial_state=None, segment_ids=None, implementation="auto",
+                  kernel_config=None):
   """A_t = exp(gᴾ_t) A_{t-1} + βᴾ_t (k_t ⊙ k_t), A_0 = initial_state (default 0).
 
   k [B, T, H, K]; beta_p, log_decay_p [B, T, H]; initial_state [B, H, K] ([N, H, K] with segment_ids).
   implementation: "reference" (token-serial), "xla" (`lax.associative_scan`), "pallas" (the chunked kernel
-  "decayed_sum": unpacked, fp32/bf16) or "auto". Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
+  "decayed_sum": unpacked, fp32/bf16) or "auto"; kernel_config: that kernel's launch parameters (`ops.dispatch`).
+  Returns (A [B, T, H, K], A_T [B, H, K] or per segment [N, H, K]).
   """
   kind, kernel, g = _choose("decayed_sum", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
-                            initial_state=initial_state, log_decay_p=log_decay_p)
+                            initial_state=initial_state, log_decay_p=log_decay_p, config=kernel_config)
   if kind == "pallas":
     A, A_T = _confined(lambda k, b, g: kernel(k, g, beta=b, initial_state=initial_state), k, beta_p, g, segment_ids,
                      kernel)
@@ -152,14 +156,15 @@ def _static(*constants):
 
 
 def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_state=None, segment_ids=None,
-                  implementation="auto"):
+                  implementation="auto", kernel_config=None):
   """PDN's write key k̃_t = M_t ⊙ k_t from the current second moment A_t. Returns (k̃ [B,T,H,K], A_T [B,H,K]).
 
   `implementation` as `second_moment`, but "pallas" runs the fused kernel "precond_key" (A_t never stored;
-  unpacked, fp32/bf16, x and eps static numbers). x ≥ 1, ε > 0."""
+  unpacked, fp32/bf16, x and eps static numbers; `kernel_config` its launch parameters). x ≥ 1, ε > 0."""
   checks.pdn("pdn_write_key", x=x, eps=eps)
   kind, kernel, g = _choose("precond_key", jnp.result_type(k), k.shape[-1], segment_ids, implementation,
-                            _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p)
+                            _static(x, eps), initial_state=initial_state, log_decay_p=log_decay_p,
+                            config=kernel_config)
   if kind == "pallas":
     k_write, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="pdn", center=center, x=x, eps=eps,
                                                     initial_state=initial_state), k, beta_p, g, segment_ids, kernel)
@@ -170,13 +175,15 @@ def pdn_write_key(k, beta_p, log_decay_p, center, *, x=1.5, eps=1e-6, initial_st
 
 
 def atq_query(q, k, beta_p, log_decay_p, *, lam=1.0, initial_state=None, segment_ids=None,
-              implementation="auto"):
+              implementation="auto", kernel_config=None):
   """The apply-to-query transform q̃_t = q_t / (A_t + λ). Returns (q̃ [B,T,H,K], A_T [B,H,K]).
 
-  `implementation` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number). λ > 0."""
+  `implementation` and `kernel_config` as `pdn_write_key` (the fused kernel "precond_key"; λ a static number).
+  λ > 0."""
   checks.lam("atq_query", lam)
   kind, kernel, g = _choose("precond_key", jnp.result_type(q, k), k.shape[-1], segment_ids, implementation,
-                            _static(lam), initial_state=initial_state, log_decay_p=log_decay_p)
+                            _static(lam), initial_state=initial_state, log_decay_p=log_decay_p,
+                            config=kernel_config)
   if kind == "pallas":
     q_tilde, A_T = _confined(lambda k, b, g: kernel(k, b, g, transform="atq", q=q, lam=lam,
                                                     initial_state=initial_state), k, beta_p, g, segment_ids, kernel)
@@ -232,7 +239,7 @@ def osdn_inputs(k, beta, retention, d_init, initial_state, n_seg=None):
 
 
 def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None,
-                implementation="auto", chunk_size=64, keys=None):
+                implementation="auto", chunk_size=64, keys=None, kernel_config=None):
   """OSDN's d-pass: the write scale d_t of every token and d_{T+1}, from keys and gains only.
 
     d̄_{t+1} = keep_t + η β_t (1 − β_t ⟨d_t, u_t⟩) u_t / n_t,   d_{t+1} = clip(d̄_{t+1}, d_min, d_max),
@@ -249,16 +256,18 @@ def osdn_d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anc
   when it supports the call, else the scan).
   keys: None, or the keys k [B, T, G, K] that u squares (u = k ⊙ k in u's dtype, fp32): the GPU kernel then reads
   k in its own dtype and forms u where it loads it, so u is not stored (the other paths use u).
+  kernel_config: the kernel's launch parameters (`ops.dispatch`; the unbounded unpacked chunked form takes none).
   """
   checks.apf_anchor_option("osdn_d_pass", apf_anchor)
   checks.d_pass("osdn_d_pass", eta=eta, d_min=d_min, d_max=d_max)
   checks.positive_int("osdn_d_pass", "chunk_size", chunk_size)
   impl = dispatch.normalize("osdn_d_pass", implementation)
+  dispatch.check_config("osdn_d_pass", kernel_config)
   if impl in ("xla", "auto") and d_min is None and d_max is None and segment_ids is None:
     return _osdn_chunked(u, n, beta, retention, d1, d_init, eta=eta, apf_anchor=apf_anchor, chunk_size=chunk_size)
   if impl != "reference":
     static = all(x is None or isinstance(x, numbers.Real) for x in (eta, d_min, d_max))
-    kind, kernel, _ = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static)
+    kind, kernel, _ = _choose("osdn_d_pass", u.dtype, u.shape[-1], segment_ids, impl, static, config=kernel_config)
     if kind == "pallas":
       ids = None if segment_ids is None else packing.segment_index(segment_ids)
       return kernel(u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
@@ -357,7 +366,8 @@ def _chunked_faults(read, b, u, log_r):
 
 
 def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d_max=8.0, guard=2.0,
-                   apf_anchor="zero", initial_state=None, implementation="auto", chunk_size=64, segment_ids=None):
+                   apf_anchor="zero", initial_state=None, implementation="auto", chunk_size=64, segment_ids=None,
+                   kernel_config=None):
   """OSDN's write key k̃_t = guard(d_t ⊙ k_t), d learned online from keys and gains only (`osdn_d_pass`).
 
   Args:
@@ -369,6 +379,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
     apf_anchor: "zero" (r forgets toward 0) or "init" (toward d_init).
     initial_state: [B, G, K] the d that token 1 writes with (default d_init).
     implementation: one of `ops.dispatch.IMPLEMENTATIONS`, of the d-pass (`osdn_d_pass`).
+    kernel_config: the launch parameters of the d-pass and guard kernels (one family's `Config`; `ops.dispatch`).
     segment_ids: None or [B, T] packed sequences (initial_state then [N, G, K]; d_{T+1} per segment).
   Returns:
     (k̃ [B, T, G, K] in k.dtype, d_{T+1} [B, G, K]).
@@ -377,6 +388,7 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
               apf_anchor=apf_anchor, d_init_in_bounds=False)
   checks.positive_int("osdn_write_key", "chunk_size", chunk_size)
   dispatch.normalize("osdn_write_key", implementation)
+  dispatch.check_config("osdn_write_key", kernel_config)
   if beta.ndim != 3 or beta.shape[:2] != k.shape[:2] or beta.shape[2] % k.shape[2]:
     raise ValueError(f"osdn_write_key: `beta` must be [B, T, G] with G a multiple of H = {k.shape[2]}, "
                      f"got shape {beta.shape}")
@@ -391,19 +403,23 @@ def osdn_write_key(k, beta, *, retention=None, eta=1.0, d_init=1.0, d_min=0.0, d
   # The keys in their own dtype: a GPU kernel reads them and squares them itself, so u = k ⊙ k is not stored.
   keys = _on_heads(k, beta.shape[2]) if u.dtype == jnp.float32 else None
   ds, d_last = osdn_d_pass(u, n, beta, r, d1, d0, eta=eta, d_min=d_min, d_max=d_max, apf_anchor=apf_anchor,
-                           segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size, keys=keys)
+                           segment_ids=segment_ids, implementation=implementation, chunk_size=chunk_size, keys=keys,
+                           kernel_config=kernel_config)
   if segment_ids is not None and num_segments(segment_ids, initial_state) is None:
     d_last = None
-  return _saveable(_guarded_key(ds, kx, keys, beta, n, guard, implementation).astype(out_dtype)), d_last
+  k_write = _guarded_key(ds, kx, keys, beta, n, guard, implementation, kernel_config)
+  return _saveable(k_write.astype(out_dtype)), d_last
 
 
-def _guarded_key(ds, kx, keys, beta, n, guard, implementation):
+def _guarded_key(ds, kx, keys, beta, n, guard, implementation, config=None):
   """guard(ds ⊙ k) [B, T, G, K], NaN on the rows whose ‖k‖² is not finite: the kernel "osdn_guard" (one pass,
-  in the keys' dtype) where `implementation` runs kernels and one supports the call, else plain JAX (fp32)."""
+  in the keys' dtype; `config` the d-pass's kernel config) where `implementation` runs kernels and one supports
+  the call, else plain JAX (fp32)."""
   impl = dispatch.normalize("osdn_write_key", implementation)
   if keys is not None and isinstance(guard, numbers.Real) and impl not in ("reference", "xla"):
     try:
-      kind, kernel = dispatch.choose(dispatch.spec("osdn_guard", keys.dtype, key_dim=keys.shape[-1]), impl)
+      request = dispatch.spec("osdn_guard", keys.dtype, key_dim=keys.shape[-1], config=config)
+      kind, kernel = dispatch.choose(request, impl)
     except ValueError:          # an explicit platform without this kernel ("pallas-tpu"): plain JAX
       kind = "xla"
     if kind == "pallas":

@@ -60,7 +60,7 @@ def _run(op, implementation, spec, segment_ids, output_final_state, q, k, v, bet
 
 
 def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=None, output_final_state=False,
-               scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+               scale=None, chunk_size=64, segment_ids=None, implementation="auto", kernel_config=None):
   """The online solve (delta rule with a separate write key) over whole sequences.
 
   S'_t = D_t S_{t-1};  S_t = S'_t + β_t k̃_t (v_t − S'_tᵀk_t)ᵀ;  o_t = S_tᵀ(scale · q_t).
@@ -74,6 +74,9 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
     chunk_size: 16, 32, 64 or 128. segment_ids: None or [B, T] packed sequences (below).
     implementation: one of `dispatch.IMPLEMENTATIONS` (the module doc; packed, the kernels need N static: from
       concrete ids or initial_state; else "auto" uses xla and the pallas values raise).
+    kernel_config: None (each kernel's default for this device) or one kernel backend's launch parameters (e.g.
+      `pallas_kernels.gpu.delta_rule.Config`): only that backend's kernel is chosen, and called with them; the
+      pallas values raise when it does not support the request; "auto" falls back to xla, which takes none.
   Returns:
     (o [B, T, HV, V] in q.dtype, final state [B, HV, K, V] ([N, HV, K, V] when packed) in fp32 (fp64 for fp64
     inputs) or None).
@@ -96,22 +99,24 @@ def delta_rule(q, k, v, beta, *, k_write=None, log_decay=None, initial_state=Non
   spec = checks.check_solve("delta_rule", q, k, v, beta=beta, k_write=k_write, log_decay=log_decay,
                             initial_state=initial_state, scale=scale, chunk_size=chunk_size,
                             segment_ids=segment_ids, output_final_state=output_final_state,
-                            implementation=implementation)
+                            implementation=implementation, kernel_config=kernel_config)
   return _run("delta_rule", implementation, spec, segment_ids, output_final_state, q, k, v, beta,
               k_write=k_write, log_decay=log_decay, initial_state=initial_state, scale=scale)
 
 
 def linear_attention(q, k, v, *, beta=None, log_decay=None, initial_state=None, output_final_state=False,
-                     scale=None, chunk_size=64, segment_ids=None, implementation="auto"):
+                     scale=None, chunk_size=64, segment_ids=None, implementation="auto", kernel_config=None):
   """The offline solve (linear attention with decay): S_t = D_t S_{t-1} + β_t k_t v_tᵀ, o_t = S_tᵀ(scale q_t).
 
-  Shapes as `delta_rule` (packing included); `beta` [B, T, HV] is optional (default 1). For the
-  apply-to-query (ATQ) preconditioners pass the transformed query q̃ as `q`.
+  Shapes as `delta_rule` (packing included), `kernel_config` too (the delta rule's kernels run it); `beta`
+  [B, T, HV] is optional (default 1). For the apply-to-query (ATQ) preconditioners pass the transformed query q̃ as
+  `q`.
   """
   spec = checks.check_solve("linear_attention", q, k, v, beta=beta, beta_required=False,
                             log_decay=log_decay, initial_state=initial_state, scale=scale,
                             chunk_size=chunk_size, segment_ids=segment_ids,
-                            output_final_state=output_final_state, implementation=implementation)
+                            output_final_state=output_final_state, implementation=implementation,
+                            kernel_config=kernel_config)
   return _run("linear_attention", implementation, spec, segment_ids, output_final_state, q, k, v, beta,
               log_decay=log_decay, initial_state=initial_state, scale=scale)
 

@@ -176,8 +176,9 @@ def _require_segments(op, segment_ids, n) -> None:
 
 def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None, log_decay=None,
                 initial_state=None, scale=None, chunk_size=64, segment_ids=None, output_final_state=False,
-                implementation="auto") -> Spec:
-  """Validates the arguments of `delta_rule` / `linear_attention`; returns their `Spec`.
+                implementation="auto", kernel_config=None) -> Spec:
+  """Validates the arguments of `delta_rule` / `linear_attention`; returns their `Spec` (carrying
+  `kernel_config`).
 
   With `segment_ids`, Spec.num_segments is N: counted from concrete ids (and then initial_state must be
   [N, HV, K, V]), else initial_state.shape[0], else None (allowed only without output_final_state).
@@ -200,9 +201,10 @@ def check_solve(op: str, q, k, v, *, beta=None, beta_required=True, k_write=None
   decay = _decay_kind(op, log_decay, b, t, hv, kd)
   n = _check_segments(op, segment_ids, initial_state, output_final_state, b, t)
   _check_state(op, "initial_state", initial_state, n, hv, kd, vd, "B" if segment_ids is None else "N")
+  dispatch.check_config(op, kernel_config)
   return dispatch.spec(op, jnp.result_type(q), key_dim=kd, value_dim=vd, batch=b, length=t, heads=h,
                        value_heads=hv, decay=decay, chunk_size=chunk_size, packed=segment_ids is not None,
-                       num_segments=n)
+                       num_segments=n, config=kernel_config)
 
 
 def check_context(op: str, q, k, v, *, initial_state=None, segment_ids=None, output_final_state=False, scale=None,

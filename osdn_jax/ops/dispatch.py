@@ -15,6 +15,9 @@ A request is described by `pallas_kernels.spec.Spec`, built for this backend (`s
 TPU kernels "tpu"). An explicit platform ("pallas-gpu", "pallas-tpu") asks the registry for that platform's kernel;
 when the platform is not the backend, the kernel is called with `interpret=True` (every kernel entry point takes
 `interpret`; None, their default, interprets on a CPU backend only). The kernels' bodies are the same either way.
+A request may carry one backend's launch parameters (`Spec.config`, the ops' `kernel_config`): only that backend's
+kernels support it, and the chosen kernel is called with `config=` it (without one, each kernel reads its own
+`default_config`). "auto" and "xla" without a supporting kernel run XLA, which takes no config.
 
 The preconditioners' passes (`osdn_jax.dgps.precond`) dispatch here too. One exception to "auto" above: OSDN's
 d-pass, when unbounded (d_min and d_max None) and unpacked, takes its exact chunked XLA form on every backend, GPU
@@ -58,6 +61,15 @@ def spec(op: str, dtype, *, key_dim: int, **fields) -> Spec:
   return Spec(op=op, platform=jax.default_backend(), dtype=jnp.dtype(dtype).name, key_dim=key_dim, **fields)
 
 
+def check_config(op: str, config) -> None:
+  """ValueError naming `kernel_config` unless it is None or a kernel's launch parameters (a frozen dataclass
+  instance, as every backend's `Config` is)."""
+  params = getattr(config, "__dataclass_params__", None)
+  if config is not None and (isinstance(config, type) or params is None or not params.frozen):
+    raise ValueError(f"{op}: `kernel_config` must be None or a kernel backend's Config (e.g. "
+                     f"pallas_kernels.gpu.delta_rule.Config()), got {config!r}")
+
+
 def kernel(request: Spec) -> Callable[..., Any] | None:
   """The first registered Pallas kernel that supports the request, or None."""
   import pallas_kernels   # the kernels' backends are imported on the first request only
@@ -89,6 +101,8 @@ def choose(request: Spec, implementation: str, *, why: str = "") -> tuple[str, C
   wanted = target(request, impl)
   fn = kernel(wanted)
   if fn is not None:
+    if request.config is not None:
+      fn = functools.partial(fn, config=request.config)
     return "pallas", (fn if wanted.platform == request.platform else interpreted(fn))
   if is_pallas(impl):
     raise _no_kernel(request, wanted, impl, why)
@@ -97,9 +111,11 @@ def choose(request: Spec, implementation: str, *, why: str = "") -> tuple[str, C
 
 def _no_kernel(request: Spec, wanted: Spec, impl: str, why: str) -> ValueError:
   """The error of an explicit pallas value that no kernel of `wanted.platform` supports."""
-  detail = ", ".join(f"{k}={v!r}" for k, v in (("decay", request.decay), ("K", request.key_dim),
-                                               ("V", request.value_dim), ("dtype", request.dtype),
-                                               ("chunk_size", request.chunk_size), ("packed", request.packed)))
+  fields = [("decay", request.decay), ("K", request.key_dim), ("V", request.value_dim), ("dtype", request.dtype),
+            ("chunk_size", request.chunk_size), ("packed", request.packed)]
+  if request.config is not None:
+    fields.append(("kernel_config", f"{type(request.config).__module__}.{type(request.config).__name__}"))
+  detail = ", ".join(f"{k}={v!r}" for k, v in fields)
   where = f"platform {wanted.platform!r}"
   if wanted.platform != request.platform:
     where += f" (in interpret mode on backend {request.platform!r})"

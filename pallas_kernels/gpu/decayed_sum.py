@@ -34,11 +34,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.arrays import moment_inputs
 from pallas_kernels.gpu.chunk_math import F32, dot, iota, last_row
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.gpu.intra import decay_factor
-from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec
+from pallas_kernels.spec import Spec
 
 CHUNK = 64             # tokens per step of the loop (one [C, C] × [C, BK] dot)
 BLOCK_K = 32           # channels per program
@@ -153,27 +154,17 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret: bool 
   log_decay is clamped at −30 like every log-decay of the solves. Returns (A [B, T, H, K], A_T [B, H, K]),
   fp32. Differentiable w.r.t. x, log_decay, beta and initial_state.
   """
-  if x.ndim != 4:
-    raise ValueError(f"decayed_sum (pallas gpu): `x` must be [B, T, H, K], got shape {x.shape}")
-  b, t, h, k = x.shape
-  for name, a in (("log_decay", log_decay), ("beta", beta)):
-    if a is not None and a.shape != (b, t, h):
-      raise ValueError(f"decayed_sum (pallas gpu): `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, k):
-    raise ValueError(f"decayed_sum (pallas gpu): `initial_state` must be [B, H, K] = {(b, h, k)}, got "
-                     f"{initial_state.shape}")
-  interpret = default_interpret(interpret)
-  f32 = lambda a: None if a is None else jnp.asarray(a, F32)
-  A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
-  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
-  return _decayed_sum(x, f32(beta), g, A0, bool(interpret))
+  beta, g, A0 = moment_inputs("decayed_sum (pallas gpu)", x, log_decay, beta, initial_state)
+  return _decayed_sum(x, beta, g, A0, default_interpret(interpret))
 
 
 decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
 
 
 def supports(spec: Spec) -> bool:
-  """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked."""
+  """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked; no config (it
+  takes none)."""
   return (spec.platform in ("gpu", "cpu")
           and spec.dtype in ("float32", "bfloat16")
-          and not spec.packed)
+          and not spec.packed
+          and spec.config is None)

@@ -45,12 +45,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.arrays import check_precond_key
+from pallas_kernels.arrays import check_precond_key, device_kind, moment_inputs, tuning_entry
 from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
-from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec, is_pow2
+from pallas_kernels.spec import Spec, is_pow2
 from pallas_kernels.wrapper_math import head_major, pad_tokens, padded_length, pdn_scale, precond_transform
 
 
@@ -81,6 +81,13 @@ class Config:
 
 DEFAULT = Config()
 INTERPRET = Config(chunk=4, carry_group=8)
+TUNING = {"interpret": INTERPRET, "H200": DEFAULT}     # by device kind, as `osdn.config.TUNING`
+
+
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT."""
+  del spec
+  return tuning_entry(TUNING, device_kind, DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,17 +404,16 @@ def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.
   in fp32; log_decay is clamped at −30 like every log-decay of the solves. Returns (y [B, T, H, K] in k's
   (pdn) / q's (atq) dtype, A_T [B, H, K] fp32), as `precond.pdn_write_key` / `precond.atq_query`.
   Differentiable w.r.t. k, q, beta, log_decay, center and initial_state. config: launch parameters (None:
-  DEFAULT compiled, INTERPRET in interpret mode); interpret: None runs interpret mode on a CPU
+  `default_config`: INTERPRET in interpret mode); interpret: None runs interpret mode on a CPU
   backend.
   """
   check_precond_key("precond_key (pallas gpu)", k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
   b, _, h, kd = k.shape
   interpret = default_interpret(interpret)
-  config = config or (INTERPRET if interpret else DEFAULT)
+  config = config or default_config(None, device_kind(interpret))
   st = Static(transform, float(x), float(eps), float(lam), config, interpret)
   f32 = lambda a: jnp.asarray(a, F32)
-  A0 = jnp.zeros((b, h, kd), F32) if initial_state is None else f32(initial_state)
-  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
+  beta, g, A0 = moment_inputs("precond_key (pallas gpu)", k, log_decay, beta, initial_state)
   center = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
   return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, center, st)
 
@@ -417,8 +423,9 @@ precond_key.confines_faults = True   # unpacked: NaN where the token-serial recu
 
 def supports(spec: Spec) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; fp32 or bf16 inputs (computed in fp32); unpacked; static
-  transform constants."""
+  transform constants; a config, when the request carries one, of this family."""
   return (spec.platform in ("gpu", "cpu")
           and spec.dtype in ("float32", "bfloat16")
           and not spec.packed
-          and spec.static_params)
+          and spec.static_params
+          and spec.config_of(Config))

@@ -57,6 +57,12 @@ def default_interpret(interpret):
   return interpret or False
 
 
+def interpret_mode(interpret: bool):
+  """The `interpret` argument of `pallas_call` for a bool: False compiles with Mosaic; True runs TPU interpret mode
+  with race detection (`interpret_params`)."""
+  return interpret_params(detect_races=True) if interpret else False
+
+
 def interpret_params(*, detect_races: bool = True, num_cores: int = 1):
   """TPU interpret mode with the race detector (and `num_cores` simulated TensorCores sharing the "parallel"
   grid axes), or True where this JAX has no TPU interpret mode."""

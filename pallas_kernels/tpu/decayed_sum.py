@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.spec import LOG_DECAY_FLOOR, Spec
+from pallas_kernels.arrays import moment_inputs
+from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES, SQUEEZED as _SQ
 
@@ -67,12 +68,14 @@ class Config:
 # The dot costs 2·C flops per element of A at fp32 precision (six bf16 MXU passes) against ~6 bytes of HBM traffic
 # per element (bf16 x in, fp32 A out): C = 128 keeps v5e and v5p (≈ 240 and 166 bf16 flops per HBM byte) near
 # their balance point; v6e (≈ 560) takes C = 256, halving the grid steps.
-CONFIGS = {"v4": Config(chunk=128), "v5e": Config(chunk=128), "v5p": Config(chunk=128), "v6e": Config(chunk=256)}
+TUNING = {"v4": Config(chunk=128), "v5e": Config(chunk=128), "v5p": Config(chunk=128), "v6e": Config(chunk=256)}
 
 
-def config_for(device_kind: str | None = None) -> Config:
-  """The block sizes for a TPU `device_kind` (default: this backend's first device; `Config()` off TPU)."""
-  return CONFIGS.get(common.generation(device_kind), Config())
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The block sizes for a TPU `device_kind` (default: this backend's first device; `Config()` off TPU); every
+  entry holds for every request (`spec`, unused here)."""
+  del spec
+  return TUNING.get(common.generation(device_kind), Config())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,23 +243,12 @@ def decayed_sum(x, log_decay, *, beta=None, initial_state=None, interpret=None, 
   (default 0). Computes in fp32; log_decay is clamped at −30 like every log-decay of the solves. Returns
   (A [B, T, H, K], A_T [B, H, K]), fp32. Differentiable w.r.t. x, log_decay, beta and initial_state.
   interpret: None (interpret on a CPU backend), a bool, or a `pltpu.InterpretParams` (`common.default_interpret`).
-  config: block sizes (default `config_for()`, this backend's TPU generation).
+  config: block sizes (default `default_config()`, this backend's TPU generation).
   """
-  if x.ndim != 4:
-    raise ValueError(f"decayed_sum (pallas tpu): `x` must be [B, T, H, K], got shape {x.shape}")
-  b, t, h, k = x.shape
-  if min(b, t, h, k) < 1:
+  beta, g, A0 = moment_inputs("decayed_sum (pallas tpu)", x, log_decay, beta, initial_state)
+  if min(x.shape) < 1:
     raise ValueError(f"decayed_sum (pallas tpu): every dim of `x` must be ≥ 1, got shape {x.shape}")
-  for name, a in (("log_decay", log_decay), ("beta", beta)):
-    if a is not None and a.shape != (b, t, h):
-      raise ValueError(f"decayed_sum (pallas tpu): `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, k):
-    raise ValueError(f"decayed_sum (pallas tpu): `initial_state` must be [B, H, K] = {(b, h, k)}, got "
-                     f"{initial_state.shape}")
-  f32 = lambda a: None if a is None else jnp.asarray(a, F32)
-  A0 = jnp.zeros((b, h, k), F32) if initial_state is None else f32(initial_state)
-  g = jnp.maximum(f32(log_decay), LOG_DECAY_FLOOR)
-  return _decayed_sum(x, f32(beta), g, A0, config or config_for(), common.default_interpret(interpret))
+  return _decayed_sum(x, beta, g, A0, config or default_config(), common.default_interpret(interpret))
 
 
 decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
@@ -264,5 +256,6 @@ decayed_sum.confines_faults = True   # unpacked: NaN where the token-serial recu
 
 def supports(spec: Spec) -> bool:
   """Compiled on "tpu"; fp32 or bf16 inputs (computed in fp32); unpacked."""
-  return spec.platform == "tpu" and spec.dtype in ("float32", "bfloat16") and not spec.packed
+  return (spec.platform == "tpu" and spec.dtype in ("float32", "bfloat16") and not spec.packed
+          and spec.config_of(Config))
 

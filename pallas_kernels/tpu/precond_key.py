@@ -47,4 +47,4 @@ precond_key.confines_faults = True   # unpacked: NaN where the token-serial recu
 def supports(spec: Spec) -> bool:
   """Compiled on "tpu"; fp32 or bf16 inputs (computed in fp32); unpacked; static transform constants."""
   return (spec.platform == "tpu" and spec.dtype in ("float32", "bfloat16") and not spec.packed
-          and spec.static_params)
+          and spec.static_params and spec.config_of(Config))

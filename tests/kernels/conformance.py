@@ -1,5 +1,6 @@
 """The delta-rule conformance base: what every implementation of `osdn_jax.ops.delta_rule` must compute, and the
-helpers the kernels' own tests reuse with their launch options.
+helpers the kernels' own tests reuse with their launch options. `BACKENDS` and `jit_vjp_all` serve every op's base
+(the preconditioners' passes: tests/kernels/conformance_d_pass.py, tests/kernels/conformance_precond.py).
 
 `CASES` are the problems every backend runs (tests/kernels/test_conformance_delta_rule.py, through `ops.delta_rule(...,
 implementation=...)`): every decay, odd T over a partial last chunk, grouped value heads, write keys other than
@@ -49,9 +50,9 @@ def through_ops(implementation: str, chunk: int = 16, **options):
                **options)
 
 
-def jit_vjp_all(fn, arrays: dict) -> dict:
-  """`vjp_all(fn, arrays)` as one jitted program, finished."""
-  return jax.block_until_ready(jax.jit(lambda a: vjp_all(fn, a))(arrays))
+def jit_vjp_all(fn, arrays: dict, outputs: tuple[str, ...] = ("o", "S")) -> dict:
+  """`vjp_all(fn, arrays, outputs=outputs)` as one jitted program, finished (every op's base uses it)."""
+  return jax.block_until_ready(jax.jit(lambda a: vjp_all(fn, a, outputs=outputs))(arrays))
 
 
 def oracle(problem, dtype) -> dict:

@@ -1,14 +1,15 @@
 """Launch parameters of the delta-rule kernels, one small frozen dataclass per kernel family.
 
 They change speed, not the function (up to fp32 summation order and the chunk's rounding; `Repair.enabled`
-changes it on non-finite inputs only). A field left None is decided by `heuristics.py` from the request and its
-table of measured defaults. `Config.override` takes "family.field=value" strings (the benchmark runner's
-variants).
+changes it on non-finite inputs only). A field left None is decided by `heuristics.py` from the request and the
+config's measured defaults (`Chunks.tuned`). `TUNING` holds the configs by device kind, `default_config` reads it.
+`Config.override` takes "family.field=value" strings (the benchmark runner's variants).
 """
 from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.arrays import tuning_entry
 from pallas_kernels.gpu import common
 from pallas_kernels.gpu.common import MAX_DIM
 from pallas_kernels.spec import CHUNK_SIZES, is_pow2
@@ -30,14 +31,24 @@ def _check(obj, pow2=(), in_range=(), choices=()):
       raise ValueError(f"{name}.{f}={getattr(obj, f)!r} must be one of {allowed}")
 
 
+# The largest chunk under autodiff measured on one H200, by (decay, input dtype, padded K); a missing key means the
+# requested chunk (decay none / scalar) or `heuristics.CHANNEL_CHUNK`. fp32 prep tiles at chunk 64 cost more than
+# four chunks of 16 at K ≥ 128; per-channel decay keeps every sub-block's factors live, which only bf16 at K = 128
+# affords at 32.
+H200_CHUNKS = ((("none", "float32", 128), 16), (("none", "float32", 256), 16),
+               (("scalar", "float32", 128), 16), (("scalar", "float32", 256), 16),
+               (("channel", "bfloat16", 128), 32))
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunks:
-  """The chunk the kernels run at (`heuristics.chunk`, `heuristics.forward_chunk`); None: the tuned table."""
+  """The chunk the kernels run at (`heuristics.chunk`, `heuristics.forward_chunk`); None: `tuned`."""
   sub: int = 16                         # rows of the substitution and per-channel sub-blocks (16 or 32)
   online: int | None = None             # decay none / scalar: the largest chunk
   channel: int | None = None            # per-channel decay under autodiff: the largest chunk (16 or 32)
   channel_serial: int | None = None     # the same when the state passes run few programs (`heuristics.serial`)
   channel_forward: int | None = None    # per-channel, undifferentiated and unpacked: the chunk (0: as under autodiff)
+  tuned: tuple = H200_CHUNKS            # ((decay, dtype, padded K), largest chunk) pairs, the measured defaults
 
   def __post_init__(self):
     _check(self, choices=[("sub", (16, 32)), ("online", (None, *CHUNK_SIZES)), ("channel", (None, 16, 32)),
@@ -135,7 +146,7 @@ class Diagonal:
 @dataclasses.dataclass(frozen=True)
 class Dots:
   """How the kernels' fp32 dots run when compiled ("ieee", "tf32x3", "tf32"); interpret mode is always IEEE."""
-  fp32: str = "tf32x3"                  # with fp32 inputs (or bf16 inputs without bf16_matmuls)
+  fp32: str = "tf32x3"                  # with fp32 inputs (or bf16 inputs without `Config.bf16_matmuls`)
   bf16: str = "tf32"                    # with bf16 inputs: the dots that build T = (I + A)⁻¹ and dA
 
   def __post_init__(self):
@@ -155,6 +166,7 @@ class Config:
   diagonal: Diagonal = Diagonal()
   dots: Dots = Dots()
   stages: int = 3                       # Triton num_stages where `heuristics.stages` allows pipelining
+  bf16_matmuls: bool = True             # bf16 inputs: bf16 operands for the dots that do not build T or dA
 
   def __post_init__(self):
     if not isinstance(self.stages, int) or self.stages < 1:
@@ -174,3 +186,14 @@ class Config:
 
 
 DEFAULT = Config()
+
+# By device kind (a substring of `jax.Device.device_kind`; "interpret": Pallas interpret mode). Measured on an H200
+# (docs/benchmarks.md); other GPUs take its entry until measured.
+TUNING = {"H200": DEFAULT, "interpret": DEFAULT}
+
+
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT. Every
+  entry holds for every request (`spec`, unused here): the rules that depend on it are `heuristics`'."""
+  del spec
+  return tuning_entry(TUNING, device_kind, DEFAULT)

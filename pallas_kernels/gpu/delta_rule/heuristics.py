@@ -1,5 +1,6 @@
 """How the delta-rule kernels are launched for a request: every rule that turns a `Config` and a problem into
-a chunk, a block width, a flag or a warp count, and the table of measured defaults those rules read.
+a chunk, a block width, a flag or a warp count, and the measured defaults those rules read (the largest chunks by
+decay, dtype and K are the config's own, `Chunks.tuned`).
 
 The numbers were measured on one NVIDIA H200 (docs/benchmarks.md, "Why the launch defaults are what they are"); a field set in the `Config`
 overrides its rule. None of these choices changes the function computed, only its rounding and speed.
@@ -8,14 +9,6 @@ from __future__ import annotations
 
 from pallas_kernels.gpu.delta_rule.config import Config
 
-# The largest chunk under autodiff, by (decay, input dtype, padded K); a missing key means the requested chunk
-# (decay none / scalar) or CHANNEL_CHUNK. fp32 prep tiles at chunk 64 cost more than four chunks of 16 at
-# K ≥ 128; per-channel decay keeps every sub-block's factors live, which only bf16 at K = 128 affords at 32.
-TUNED_CHUNK = {
-    ("none", "float32", 128): 16, ("none", "float32", 256): 16,
-    ("scalar", "float32", 128): 16, ("scalar", "float32", 256): 16,
-    ("channel", "bfloat16", 128): 32,
-}
 CHANNEL_CHUNK = 16      # per-channel decay at every other key
 SERIAL_CHUNK = 32       # per-channel decay when the state passes run few programs: fewer, longer chunks
 FORWARD_CHUNK = 64      # per-channel decay, a forward that is not differentiated (unpacked)
@@ -35,11 +28,11 @@ def chunk(config: Config, decay: str, requested: int, *, dtype: str = "", kdim: 
   """The chunk the kernels run at under autodiff (never above `requested`, never below `Chunks.sub`)."""
   c = config.chunks
   if decay != "channel":
-    cap = c.online if c.online is not None else TUNED_CHUNK.get((decay, dtype, kdim))
+    cap = c.online if c.online is not None else dict(c.tuned).get((decay, dtype, kdim))
   elif serial(lanes, vdim):
     cap = c.channel_serial if c.channel_serial is not None else SERIAL_CHUNK
   else:
-    cap = c.channel if c.channel is not None else TUNED_CHUNK.get((decay, dtype, kdim), CHANNEL_CHUNK)
+    cap = c.channel if c.channel is not None else dict(c.tuned).get((decay, dtype, kdim), CHANNEL_CHUNK)
   return requested if cap is None else min(requested, max(cap, c.sub))
 
 
@@ -79,23 +72,23 @@ def fuse_inter(config: Config, *, kdim: int, state_itemsize: int, chunk: int, pr
   return bool(f)
 
 
-def stages(config: Config, kdim: int, vdim: int, low_precision: bool) -> int:
+def stages(config: Config, kdim: int, vdim: int, bf16_matmuls: bool) -> int:
   """Triton num_stages: 1 when K or V > 128 or the intermediates are fp32 (pipelined buffers would exceed an
   H200's 232 KB of shared memory), else `Config.stages`."""
-  return 1 if max(kdim, vdim) > 128 or not low_precision else config.stages
+  return 1 if max(kdim, vdim) > 128 or not bf16_matmuls else config.stages
 
 
-def prep_warps(config: Config, decay: str, low_precision: bool, source: str) -> int:
+def prep_warps(config: Config, decay: str, bf16_matmuls: bool, source: str) -> int:
   """num_warps of prep / inverse / wu; source "gram" | "a" (T from `scores`' A) | "t" (T given)."""
   p = config.prep
-  if not low_precision:
+  if not bf16_matmuls:
     return p.warps_fp32
   if decay != "channel":
     return p.warps
   return p.warps_given_a if source == "a" else p.warps_channel
 
 
-def grad_block_v(config: Config, vdim: int, low_precision: bool) -> int:
+def grad_block_v(config: Config, vdim: int, bf16_matmuls: bool) -> int:
   """V step of `grads_state` and `grads_intra`, clamped to V (fp32 tiles spill at the bf16 width)."""
   g = config.grads
-  return min(g.block_v if low_precision else g.block_v_fp32, vdim)
+  return min(g.block_v if bf16_matmuls else g.block_v_fp32, vdim)

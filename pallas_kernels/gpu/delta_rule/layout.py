@@ -15,56 +15,37 @@ Value head h reads key head h // (HV / H) and write-key head h // (HV / Hkw).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import delta_rule_shell as shell
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.delta_rule import heuristics
-from pallas_kernels.gpu.delta_rule.config import Config
 
 
-@dataclasses.dataclass(frozen=True)
-class Static:
-  """Everything static about one call (hashable: the custom_vjp's non-differentiable argument)."""
-  batch: int
-  length: int          # padded T, a multiple of chunk
-  heads: int           # H (q, k)
-  value_heads: int     # HV
-  kw_heads: int        # heads of k_write (H or HV; H when k_write is k)
-  key_dim: int         # padded K
-  value_dim: int       # padded V
-  chunk: int
-  decay: str           # "none" | "scalar" | "channel"
-  scale: float
-  same_keys: bool      # k_write is k (the kernels read k twice; dk_write is added to dk)
-  config: Config
-  interpret: bool
-  low_precision: bool = False   # bf16 operands (fp32 accumulation) for the dots that do not build T,
-                                # and bf16 intermediates (W, U, V_new, chunk states, their gradients)
-  segments: int = 0             # packed: N segments laid out chunk-aligned in one row (batch 1); 0: not
-                                # packed. The state passes then run one lane per segment (`chunk_info`).
-  grad_dtype: str = "float32"   # dtype of q, k, v: the backward writes dq, dk, dk_write, dv in it where the
-                                # wrapper does not sum head groups afterwards (no fp32 round trip through HBM)
-  forward_chunk: int = 0        # per-channel decay: the chunk of the forward when it is not differentiated
-                                # (`heuristics.forward_chunk`; 0: the same as chunk)
+class Static(shell.Static):
+  """The shell's description of one call (`pallas_kernels.delta_rule_shell.Static`; `config` a
+  `config.Config`) with the launch properties this backend derives from it. `bf16_matmuls` also stores the
+  intermediates (W, U, V_new, chunk states, their gradients) in bf16; `grad_dtype`: the backward writes dq, dk,
+  dk_write, dv in it where the wrapper does not sum head groups afterwards (no fp32 round trip through HBM);
+  `forward_chunk`: `heuristics.forward_chunk`. Packed (`segments` N), the state passes run one lane per segment
+  (`chunk_info`)."""
 
   @property
   def mm(self):
     """The operand dtype of the dots outside the triangular system, and of the stored intermediates."""
-    return jnp.bfloat16 if self.low_precision else jnp.float32
+    return jnp.bfloat16 if self.bf16_matmuls else jnp.float32
 
   def lo(self, x):
     return x.astype(self.mm)
 
   @property
   def fp32_dots(self):
-    """How the kernels' fp32 dots run when compiled (`Dots.bf16` for bf16 inputs under `low_precision`, else
+    """How the kernels' fp32 dots run when compiled (`Dots.bf16` for bf16 inputs under `bf16_matmuls`, else
     `Dots.fp32`)."""
-    return self.config.dots.bf16 if self.low_precision else self.config.dots.fp32
+    return self.config.dots.bf16 if self.bf16_matmuls else self.config.dots.fp32
 
   @property
   def dq_dtype(self):
@@ -97,7 +78,7 @@ class Static:
   @property
   def stages(self) -> int:
     """Triton num_stages of the chunk-parallel kernels (`heuristics.stages`)."""
-    return heuristics.stages(self.config, self.key_dim, self.value_dim, self.low_precision)
+    return heuristics.stages(self.config, self.key_dim, self.value_dim, self.bf16_matmuls)
 
   @property
   def state_stages(self) -> int:
@@ -130,7 +111,7 @@ class Static:
   @property
   def grad_block_v(self) -> int:
     """V step of `grads_state` and `grads_intra` (`heuristics.grad_block_v`)."""
-    return heuristics.grad_block_v(self.config, self.value_dim, self.low_precision)
+    return heuristics.grad_block_v(self.config, self.value_dim, self.bf16_matmuls)
 
   @property
   def fuse_inter(self) -> bool:

@@ -103,6 +103,6 @@ def prep(st: L.Static, k, kw, v, beta, G, *, emit_t: bool = False, T=None, A=Non
   kernel = lambda *refs: _kernel(st, source, emit_t, decayed, *refs)
   return pallas_call(kernel, grid=(st.batch, st.value_heads, st.num_chunks), in_specs=in_specs,
                      out_specs=out_specs, out_shape=out_shape, interpret=st.interpret,
-                     num_warps=heuristics.prep_warps(st.config, st.decay, st.low_precision, source),
+                     num_warps=heuristics.prep_warps(st.config, st.decay, st.bf16_matmuls, source),
                      num_stages=st.stages, fp32_dots=st.fp32_dots,
                      name="delta_rule_wu" if source == "t" else "delta_rule_prep")(*args)

@@ -28,40 +28,22 @@ fp32 throughout.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from pallas_kernels.arrays import static_number
+from pallas_kernels.arrays import device_kind
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, segment_starts
 from pallas_kernels.gpu.osdn import backward, forward
-from pallas_kernels.gpu.osdn.config import DEFAULT, INTERPRET, Config
+from pallas_kernels.gpu.osdn.config import Config, default_config
 from pallas_kernels.gpu.osdn.layout import Static
 from pallas_kernels.gpu.osdn.loops import F32
+from pallas_kernels.osdn_shell import check_d_pass
 from pallas_kernels.spec import Spec
 
 MAX_KEY_DIM = 256                        # d [K] stays in registers
-_CONFIGS: list[Config] = []              # `configured`
-
-
-@contextlib.contextmanager
-def configured(config: Config):
-  """Within the block, calls traced without a `config` use this one (e.g. a d-pass inside
-  `osdn_jax.dgps.precond.osdn_write_key`, which takes no kernel config; the benchmark runner's variants)."""
-  _CONFIGS.append(config)
-  try:
-    yield
-  finally:
-    _CONFIGS.pop()
-
-
-def current_config(interpret: bool) -> Config:
-  """The config of calls traced without one: the innermost `configured`, else DEFAULT (INTERPRET in interpret
-  mode)."""
-  return _CONFIGS[-1] if _CONFIGS else (INTERPRET if interpret else DEFAULT)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -138,51 +120,23 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   keys: None, or the keys [B, T, G, K] (a float dtype) with u = k ⊙ k in fp32: the kernels then read k and form
   u where they load it (u is never stored, and bf16 keys are read in half the bytes); `u` may be None, and the
   first cotangent is k's.
-  `interpret` defaults to True on a CPU backend; `config` to DEFAULT compiled and INTERPRET in interpret mode.
+  `interpret` defaults to True on a CPU backend; `config` to `default_config` (INTERPRET in interpret mode).
   """
-  if keys is not None:
-    if keys.ndim != 4 or not jnp.issubdtype(keys.dtype, jnp.floating):
-      raise ValueError(f"osdn d_pass (pallas gpu): `keys` must be a float [B, T, G, K] array, got "
-                       f"{keys.dtype} {keys.shape}")
-    if u is not None and u.shape != keys.shape:
-      raise ValueError(f"osdn d_pass (pallas gpu): `u` must have the keys' shape {keys.shape}, got {u.shape}")
-    u = None
-  elif u is None or u.ndim != 4:
-    raise ValueError(f"osdn d_pass (pallas gpu): `u` must be [B, T, G, K], got "
-                     f"{None if u is None else u.shape}")
-  b, t, g, kd = (keys if keys is not None else u).shape
-  if t < 1:
-    raise ValueError(f"osdn d_pass (pallas gpu): `u` needs T ≥ 1 tokens, got shape {(b, t, g, kd)}")
-  if kd > MAX_KEY_DIM:
-    raise ValueError(f"osdn d_pass (pallas gpu): K = {kd} must be ≤ {MAX_KEY_DIM}")
-  for name, x in (("n", n), ("beta", beta), ("retention", retention)):
-    if x is not None and x.shape != (b, t, g):
-      raise ValueError(f"osdn d_pass (pallas gpu): `{name}` must be [B, T, G] = {(b, t, g)}, got {x.shape}")
-  if segment_ids is None and d1.shape != (b, g, kd):
-    raise ValueError(f"osdn d_pass (pallas gpu): `d1` must be [B, G, K] = {(b, g, kd)}, got {d1.shape}")
-  if segment_ids is not None:
-    if segment_ids.shape != (b, t):
-      raise ValueError(f"osdn d_pass (pallas gpu): `segment_ids` must be [B, T] = {(b, t)}, got "
-                       f"{segment_ids.shape}")
-    if d1.ndim != 3 or d1.shape[1:] != (g, kd) or d1.shape[0] < 1:
-      raise ValueError(f"osdn d_pass (pallas gpu): packed, `d1` must be [N, G, K] with G, K = {(g, kd)}, got "
-                       f"{d1.shape}")
-  if apf_anchor not in ("zero", "init"):
-    raise ValueError(f"osdn d_pass (pallas gpu): `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
-  where = "osdn d_pass (pallas gpu)"
-  eta = static_number(where, "eta", eta)
-  d_min, d_max = static_number(where, "d_min", d_min), static_number(where, "d_max", d_max)
+  call = check_d_pass("osdn d_pass (pallas gpu)", u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min,
+                      d_max=d_max, apf_anchor=apf_anchor, segment_ids=segment_ids, keys=keys,
+                      max_key_dim=MAX_KEY_DIM)
   interpret = default_interpret(interpret)
-  config = config or current_config(interpret)
-  mode = "none" if retention is None else apf_anchor
-  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, keys, eta=eta, d_min=d_min,
-              d_max=d_max, mode=mode, config=config, interpret=interpret)
+  config = config or default_config(None, device_kind(interpret))
+  return _run(None if keys is not None else u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, keys,
+              eta=call.eta, d_min=call.d_min, d_max=call.d_max, mode=call.mode, config=config, interpret=interpret)
 
 
 def supports(spec: Spec) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; fp32 (the d-pass's compute dtype for fp32 and bf16 keys),
-  K ≤ 256, packed or not; the clip's bounds and η static numbers."""
+  K ≤ 256, packed or not; the clip's bounds and η static numbers; a config, when the request carries one, of this
+  family."""
   return (spec.platform in ("gpu", "cpu")
           and spec.dtype == "float32"
           and 1 <= spec.key_dim <= MAX_KEY_DIM
-          and spec.static_params)
+          and spec.static_params
+          and spec.config_of(Config))

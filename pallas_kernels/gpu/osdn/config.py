@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.arrays import tuning_entry
 from pallas_kernels.gpu import common
 from pallas_kernels.spec import is_pow2
 
@@ -66,3 +67,14 @@ class Config:
 DEFAULT = Config()
 # Interpret mode: unrolling costs compile time only; kernel tables throughout (what the mode is for).
 INTERPRET = Config(block_t=4, block_t_bwd=4, solve_t=16, solve_t_apf=16, solve_t_init=16, tables="kernel")
+
+# By device kind (a substring of `jax.Device.device_kind`; "interpret": Pallas interpret mode). DEFAULT was measured
+# on an H200 (docs/benchmarks.md); other GPUs take it until measured.
+TUNING = {"interpret": INTERPRET, "H200": DEFAULT}
+
+
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The tuning table's config for `device_kind` (the first entry whose key it contains), else DEFAULT. Every
+  entry holds for every request (`spec`, unused here)."""
+  del spec
+  return tuning_entry(TUNING, device_kind, DEFAULT)

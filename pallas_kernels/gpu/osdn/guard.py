@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.arrays import device_kind
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
-from pallas_kernels.gpu.osdn.config import Config
+from pallas_kernels.gpu.osdn.config import Config, default_config
 from pallas_kernels.gpu.osdn.loops import F32
 
 _FLOOR = 1e-12                          # the guard's floor on s (`apply_guard`)
@@ -114,7 +115,6 @@ def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret:
   number. Differentiable w.r.t. ds, k and beta (n only selects rows: a zero cotangent). The contract is
   `osdn_jax.dgps.precond.osdn_write_key`'s plain-JAX write key.
   """
-  from pallas_kernels.gpu.osdn.api import current_config   # the d-pass's config stack (`api.configured`)
   if ds.ndim != 4 or k.shape != ds.shape:
     raise ValueError(f"osdn write_key (pallas gpu): `ds` and `k` must be [B, T, G, K] of one shape, got "
                      f"{ds.shape} and {k.shape}")
@@ -122,7 +122,7 @@ def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret:
     if x.shape != ds.shape[:3]:
       raise ValueError(f"osdn write_key (pallas gpu): `{name}` must be [B, T, G] = {ds.shape[:3]}, got {x.shape}")
   interpret = default_interpret(interpret)
-  config = config or current_config(interpret)
+  config = config or default_config(None, device_kind(interpret))
   b, t, g, kd = ds.shape
   kp = padded_dim(kd)
   rows = b * t * g
@@ -136,8 +136,9 @@ def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret:
 
 def supports_write_key(spec) -> bool:
   """Compiled on "gpu", interpret mode on "cpu"; keys in fp32, bf16 or fp16 with K ≤ 256; a static guard; and
-  `Config.fused_guard` in the d-pass's current config."""
-  from pallas_kernels.gpu.osdn.api import current_config
+  `Config.fused_guard` in the request's d-pass config (this family's; None: `default_config`)."""
+  if not spec.config_of(Config):
+    return False
+  config = spec.config or default_config(spec, "interpret" if spec.platform == "cpu" else None)
   return (spec.platform in ("gpu", "cpu") and spec.dtype in ("float32", "bfloat16", "float16")
-          and spec.key_dim <= 256 and spec.static_params
-          and current_config(spec.platform == "cpu").fused_guard)
+          and spec.key_dim <= 256 and spec.static_params and config.fused_guard)

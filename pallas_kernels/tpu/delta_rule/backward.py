@@ -17,7 +17,7 @@ decay the same terms are channel sums (`channel_rows`, `channel_cols`, the trans
 [C, K] and the kernel returns the cotangent of the log-decays themselves (dG's reverse in-chunk cumsum, as a dot
 with the triangular ones). With scalar decay the caller differentiates its cumsum.
 
-Every dot that builds T or dA runs at full fp32 precision; with bf16 inputs and `low` the others take bf16
+Every dot that builds T or dA runs at full fp32 precision; with bf16 inputs and `bf16_matmuls` the others take bf16
 operands with fp32 accumulation, as in the forward.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.delta_rule.kernel import (F32, HIGHEST, chunk_forward, column, dot, grid_spec, iota,
                                                   masked_exp, ones_where, segment_flags)
-from pallas_kernels.tpu.delta_rule.layout import Layout, interpret_mode
+from pallas_kernels.tpu.common import interpret_mode
+from pallas_kernels.tpu.delta_rule.layout import Layout
 
 
 def _row(col, i, j):
@@ -109,7 +110,7 @@ def channel_cols(mt, x, g_ref, *, sub: int, mm=F32, precision=HIGHEST):
   return out + jnp.concatenate(blocks, axis=0)
 
 
-def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low: bool, sub: int, num_chunks: int,
+def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, bf16_matmuls: bool, sub: int, num_chunks: int,
             packed: bool):
   """One grid step (b, h, j, c), visiting chunk NC − 1 − c. refs: [packed: the chunk codes (SMEM)]; q, k,
   [k_write], v [C, ·]; the gates [R, C]; [log-decays [C, K]]; the state entering the chunk [K, BV]; dO [C, BV];
@@ -146,13 +147,13 @@ def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low
   s, dsp = s_in_ref[...], ds_ref[...]
   do = scale * do_ref[...].astype(F32)
   # The forward's chunk, re-formed from the saved entering state.
-  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, low=low)
+  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, bf16_matmuls=bf16_matmuls)
   q, k, kw, v, n, i, j = f.q, f.k, f.kw, f.v, f.n, f.i, f.j
   kd = k.shape[1]
   beta_col, eg, g_end, ret, kk, p, t, w_in, w, v_new = (f.beta_col, f.eg, f.g_end, f.ret, f.kk, f.scores, f.t,
                                                          f.w_in, f.w, f.v_new)
   strict, causal = f.strict, f.causal
-  lo, prec, mm = f.lo, f.prec, (jnp.bfloat16 if low else F32)
+  lo, prec, mm = f.lo, f.prec, (jnp.bfloat16 if bf16_matmuls else F32)
   a = beta_col * kk
   last = lax.broadcasted_iota(jnp.int32, (1, n), 1) == n - 1
 
@@ -239,7 +240,7 @@ def _kernel(*refs, decay: str, same_keys: bool, has_dst: bool, scale: float, low
     ds0_ref[...] = ds_new
 
 
-def backward_call(lay: Layout, q, k, kw, v, beta, G, states, do, dS_T, codes=None, *, scale: float, low: bool,
+def backward_call(lay: Layout, q, k, kw, v, beta, G, states, do, dS_T, codes=None, *, scale: float, bf16_matmuls: bool,
                   interpret: bool, sub: int = 16, vmem_limit_bytes=None, grad_dtype=F32, segments: int = 0):
   """The pallas_call of the backward on the forward's prepared arrays (as `kernel.forward_call` takes them),
   `states` [B, HV, NC, K, V] fp32 from the forward, do [B, T, HV, V] and dS_T None or [B, HV, K, V].
@@ -281,7 +282,7 @@ def backward_call(lay: Layout, q, k, kw, v, beta, G, states, do, dS_T, codes=Non
   out_shape.append(jax.ShapeDtypeStruct((rows, lay.value_heads, lay.key_dim, lay.value_dim), F32))
   out_specs.append(state_spec)
   kernel = functools.partial(_kernel, decay=decay, same_keys=same_keys, has_dst=dS_T is not None, scale=scale,
-                             low=low, sub=sub, num_chunks=lay.num_chunks, packed=lay.packed)
+                             bf16_matmuls=bf16_matmuls, sub=sub, num_chunks=lay.num_chunks, packed=lay.packed)
   out_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in out_shape)
   in_bytes = sum(x.size * x.dtype.itemsize for x in args)
   c, kd, bv = lay.chunk, lay.key_dim, lay.block_v

@@ -49,10 +49,11 @@ DEFAULT = Config()
 # Per TPU generation. With K = V = 128 the dots of the chunk fill a 128-wide MXU (v4, v5e, v5p) at sub-blocks of 16
 # rows; v6e's MXU is 256 wide, so its per-channel reference-row dots ([s, K] × [K, C]) take 32 rows, half as many
 # dots of twice the height (docs/tpu_cost_model.md). Chosen on paper: no TPU has timed them.
-CONFIGS = {"v4": DEFAULT, "v5e": DEFAULT, "v5p": DEFAULT, "v6e": Config(sub=32)}
+TUNING = {"v4": DEFAULT, "v5e": DEFAULT, "v5p": DEFAULT, "v6e": Config(sub=32)}
 
 
-def config_for(device_kind: str | None = None) -> Config:
+def default_config(spec=None, device_kind: str | None = None) -> Config:
   """The launch parameters for a TPU `device_kind` or topology name ("TPU v6 lite", "v5p:2x2x1"; default: this
-  backend's first device); DEFAULT off TPU."""
-  return CONFIGS.get(generation(device_kind), DEFAULT)
+  backend's first device); DEFAULT off TPU. Every entry holds for every request (`spec`, unused here)."""
+  del spec
+  return TUNING.get(generation(device_kind), DEFAULT)

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.spec import LOG_DECAY_FLOOR
-from pallas_kernels.tpu.delta_rule.layout import Layout, interpret_mode
+from pallas_kernels.tpu.common import interpret_mode
+from pallas_kernels.tpu.delta_rule.layout import Layout
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -158,7 +159,7 @@ def _rows(n: int, axis: int):
   return lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis).astype(F32)
 
 
-def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, decay: str, sub: int, low: bool,
+def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, decay: str, sub: int, bf16_matmuls: bool,
                   sanitize: bool = False):
   """The forward's quantities of one chunk (module docstring) from its refs and the entering state s [K, BV] fp32,
   shared by the forward and the backward kernel. Per-channel decay writes G into g_ref first. With sanitize (the
@@ -171,8 +172,8 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
   scores (P), t (T), w_in (W's right factor: K, or K ⊙ e^G per channel), w, u, v_new; lo, prec (the dots'
   operand cast and precision)."""
   exact = None if q_ref.dtype == jnp.bfloat16 else HIGHEST        # bf16 × bf16 is exact with fp32 accumulation
-  mm = jnp.bfloat16 if low else F32
-  prec = None if low else HIGHEST
+  mm = jnp.bfloat16 if bf16_matmuls else F32
+  prec = None if bf16_matmuls else HIGHEST
   lo = lambda x: x.astype(mm)
   q, k, kw, v = q_ref[...], k_ref[...], kw_ref[...], v_ref[...]
   n = q.shape[0]
@@ -224,7 +225,7 @@ def chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, *, d
                                scores=scores, t=t, w_in=w_in, w=w, u=u, v_new=v_new, lo=lo, prec=prec)
 
 
-def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low: bool, num_chunks: int,
+def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, bf16_matmuls: bool, num_chunks: int,
             sub: int, save_states: bool, packed: bool):
   """One grid step (b, h, j, c). refs: [packed: the chunk codes (SMEM)]; q, k, [k_write], v [C, ·]; the gates
   [1 or 2, C] (β, and G with scalar decay); [log-decays [C, K] with channel decay]; [S0 [K, BV]: packed, the
@@ -257,7 +258,7 @@ def _kernel(*refs, decay: str, same_keys: bool, has_s0: bool, scale: float, low:
   s = s_ref[...]
   if save_states:
     states_ref[...] = s
-  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, low=low,
+  f = chunk_forward(q_ref, k_ref, kw_ref, v_ref, gates_ref, ld_ref, g_ref, s, decay=decay, sub=sub, bf16_matmuls=bf16_matmuls,
                     sanitize=True)
   q, kw, v_new, lo, prec, kd = f.q, f.kw, f.v_new, f.lo, f.prec, f.k.shape[1]
   nan = jnp.asarray(np.nan, F32)
@@ -311,7 +312,7 @@ def _cost(lay: Layout, decay: str, sub: int, args, out_bytes: int):
                          bytes_accessed=int(in_bytes + out_bytes))
 
 
-def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, codes=None, *, scale: float, low: bool, interpret: bool,
+def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, codes=None, *, scale: float, bf16_matmuls: bool, interpret: bool,
                  sub: int = 16, vmem_limit_bytes=None, save_states: bool = False):
   """The pallas_call on prepared arrays. q, k [B, T, H, K]; kw None or [B, T, H | HV, K]; v [B, T, HV, V]
   (T, K, V padded, one dtype); beta [B, HV, T] fp32; G None (no decay), [B, HV, T] (scalar: the in-chunk
@@ -339,7 +340,7 @@ def forward_call(lay: Layout, q, k, kw, v, beta, G, S0, codes=None, *, scale: fl
     in_specs.append(state_spec)
     args.append(S0)
   kernel = functools.partial(_kernel, decay=decay, same_keys=same_keys, has_s0=S0 is not None, scale=scale,
-                             low=low, num_chunks=lay.num_chunks, sub=sub, save_states=save_states,
+                             bf16_matmuls=bf16_matmuls, num_chunks=lay.num_chunks, sub=sub, save_states=save_states,
                              packed=lay.packed)
   rows = S0.shape[0] if lay.packed else lay.batch
   state_shape = (rows, lay.value_heads, lay.key_dim, lay.value_dim)

@@ -1,4 +1,4 @@
-"""Array layouts, padding and BlockSpecs of the TPU delta-rule forward, and the interpret-mode switch.
+"""Array layouts, padding and BlockSpecs of the TPU delta-rule kernels, and the launch this backend derives from a call.
 
 The grid is (B, HV, V / BV, NC): one program per batch row, value head and block of BV value columns, the chunk
 axis innermost (sequential, the state carried in VMEM). Mosaic takes a block whose last two dims are multiples
@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from pallas_kernels.arrays import pad_axis  # noqa: F401  (re-exported for the kernels' wrappers)
+from pallas_kernels import delta_rule_shell as shell
 
 SQUEEZED = getattr(pl, "squeezed", None)     # a squeezed block dim (None in older JAX)
 LANES = 128
@@ -39,20 +38,6 @@ def padded_dim(d: int) -> int:
   while p < d:
     p *= 2
   return p
-
-
-def interpret_mode(interpret: bool):
-  """The `interpret` argument of `pallas_call`: False compiles with Mosaic; True runs the TPU interpreter with
-  race detection where this JAX has it (`pltpu.InterpretParams`), else the generic interpreter."""
-  if not interpret:
-    return False
-  params = getattr(pltpu, "InterpretParams", None)
-  if params is None:
-    return True
-  try:
-    return params(detect_races=True)
-  except TypeError:
-    return params()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,3 +171,18 @@ class Layout:
     at = self.chunk_of
     return pl.BlockSpec((SQUEEZED, SQUEEZED, SQUEEZED, self.key_dim, self.block_v),
                         lambda b, h, j, c, *_: (b, h, at(c), _0, j))
+
+
+class Static(shell.Static):
+  """The shell's description of one call (`pallas_kernels.delta_rule_shell.Static`; `config` a `config.Config`)
+  and the kernels' `layout` of it."""
+
+  @property
+  def layout(self) -> Layout:
+    c = self.config
+    head_major = (c.layout == "head_major" if c.layout != "auto"
+                  else self.key_dim % LANES != 0 or self.value_dim % LANES != 0)
+    return Layout(batch=self.batch, length=self.length, heads=self.heads, kw_heads=self.kw_heads,
+                  value_heads=self.value_heads, key_dim=self.key_dim, value_dim=self.value_dim,
+                  block_v=c.value_block(self.value_dim), chunk=self.chunk, head_major=head_major,
+                  packed=bool(self.segments))

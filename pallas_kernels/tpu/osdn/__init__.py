@@ -13,6 +13,6 @@ math (L tokens at once where the clip does not act, `Config(form="blocks")`); `a
 custom_vjp and the XLA around the kernels; `config.py`: block sizes and the form.
 """
 from pallas_kernels.tpu.osdn.api import d_pass, supports
-from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, Config
+from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, TUNING, Config, default_config
 
-__all__ = ["Config", "MAX_KEY_DIM", "d_pass", "supports"]
+__all__ = ["Config", "MAX_KEY_DIM", "TUNING", "d_pass", "default_config", "supports"]

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import osdn_math as om
-from pallas_kernels.arrays import static_number
+from pallas_kernels.arrays import device_kind
+from pallas_kernels.osdn_shell import check_d_pass
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES
-from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, NAME, Config, Static, static
+from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, NAME, Config, Static, default_config, static
 from pallas_kernels.tpu.osdn.kernel import call, head_major, pre_clip
 
 
@@ -120,45 +121,18 @@ def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, 
   d_init (zero gradient through clipped entries, ½ at a bound). Packed: `segment_ids` [B, T] are segment numbers
   0..N−1 in row-major order (`osdn_jax.ops.packing.segment_index`), d1 is [N, G, K], d restarts from d1[n] at
   segment n's first token, and the second result is each segment's last d [N, G, K] (zeros for segments without
-  tokens). interpret: None (interpret on a CPU backend), a bool or a `pltpu.InterpretParams`; config: `Config()`.
+  tokens). interpret: None (interpret on a CPU backend), a bool or a `pltpu.InterpretParams`; config:
+  `default_config`.
   keys: None or the keys k with u = k ⊙ k; this kernel reads u, which is formed from them (fp32) where u is None.
   """
-  if u is None and keys is not None:
+  call = check_d_pass(NAME, u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max,
+                      apf_anchor=apf_anchor, segment_ids=segment_ids, keys=keys, max_key_dim=MAX_KEY_DIM)
+  if u is None:
     u = jnp.square(jnp.asarray(keys, jnp.float32))
-  if u is None or u.ndim != 4:
-    raise ValueError(f"{NAME}: `u` must be [B, T, G, K], got shape {None if u is None else u.shape}")
-  b, t, g, kd = u.shape
-  if min(b, t, g, kd) < 1:
-    raise ValueError(f"{NAME}: every dim of `u` must be ≥ 1, got shape {u.shape}")
-  if kd > MAX_KEY_DIM:
-    raise ValueError(f"{NAME}: `u` has K = {kd}, which must be ≤ {MAX_KEY_DIM}")
-  for name, x in (("n", n), ("beta", beta), ("retention", retention)):
-    if (x is not None or name != "retention") and jnp.shape(x) != (b, t, g):
-      raise ValueError(f"{NAME}: `{name}` must be [B, T, G] = {(b, t, g)}, got {jnp.shape(x)}")
-  count = 0
-  if segment_ids is None:
-    if jnp.shape(d1) != (b, g, kd):
-      raise ValueError(f"{NAME}: `d1` must be [B, G, K] = {(b, g, kd)}, got {jnp.shape(d1)}")
-  else:
-    if jnp.shape(segment_ids) != (b, t) or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
-      raise ValueError(f"{NAME}: `segment_ids` must be integer [B, T] = {(b, t)}, got {jnp.shape(segment_ids)}")
-    if jnp.ndim(d1) != 3 or jnp.shape(d1)[1:] != (g, kd) or jnp.shape(d1)[0] < 1:
-      raise ValueError(f"{NAME}: packed, `d1` must be [N, G, K] with G, K = {(g, kd)}, got {jnp.shape(d1)}")
-    count = jnp.shape(d1)[0]
-  try:
-    fits = jnp.broadcast_shapes(jnp.shape(d_init), (g, kd)) == (g, kd)
-  except ValueError:
-    fits = False
-  if not fits:
-    raise ValueError(f"{NAME}: `d_init` must broadcast to [G, K] = {(g, kd)}, got {jnp.shape(d_init)}")
-  if apf_anchor not in ("zero", "init"):
-    raise ValueError(f"{NAME}: `apf_anchor` must be 'zero' or 'init', got {apf_anchor!r}")
-  eta = static_number(NAME, "eta", eta)
-  d_min, d_max = static_number(NAME, "d_min", d_min), static_number(NAME, "d_max", d_max)
-  if eta is None:
-    raise ValueError(f"{NAME}: `eta` must be a static number, got None")
-  st = static(t, g, kd, eta=eta, d_min=d_min, d_max=d_max, mode="none" if retention is None else apf_anchor,
-              segments=count, config=config or Config(), interpret=common.default_interpret(interpret))
+  interpret = common.default_interpret(interpret)
+  config = config or default_config(None, device_kind(interpret))
+  st = static(call.length, call.heads, call.key_dim, eta=call.eta, d_min=call.d_min, d_max=call.d_max,
+              mode=call.mode, segments=call.segments, config=config, interpret=interpret)
   return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, st=st)
 
 
@@ -166,4 +140,4 @@ def supports(spec: Spec) -> bool:
   """Compiled on "tpu"; fp32 (the d-pass's compute dtype); K ≤ 256; packed or not; η and the bounds static
   numbers."""
   return (spec.platform == "tpu" and spec.dtype == "float32" and 1 <= spec.key_dim <= MAX_KEY_DIM
-          and spec.static_params)
+          and spec.static_params and spec.config_of(Config))

@@ -37,6 +37,17 @@ class Config:
       raise ValueError(f"{NAME}: `form` must be one of {', '.join(map(repr, FORMS))}, got {self.form!r}")
 
 
+# By TPU generation (`common.generation`); none measured yet: every generation runs the defaults.
+TUNING: dict[str, Config] = {}
+
+
+def default_config(spec=None, device_kind: str | None = None) -> Config:
+  """The tuning table's config for a TPU `device_kind`, else `Config()`; every entry holds for every request (`spec`,
+  unused here)."""
+  del spec
+  return TUNING.get(common.generation(device_kind), Config())
+
+
 @dataclasses.dataclass(frozen=True)
 class Static:
   """Everything the kernels are specialised on. mode: "none" (r ≡ 1) | "zero" | "init"; segments: N (0 unpacked);

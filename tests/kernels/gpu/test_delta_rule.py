@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kernels
 from osdn_jax import ops
-from osdn_jax.ops import checks, chunked, naive
+from osdn_jax.ops import checks, chunked, dispatch, naive
 from tests.kernels.conformance import compare, jit_vjp_all, solve
 from osdn_jax.testing import (FP32_TOL, assert_trees_close, close, contract_dtypes, random_problem, rel_rms,
                              vjp_all)
@@ -269,7 +269,8 @@ def test_scores_kernel():
 
 def test_dispatch():
   """implementation="pallas" reaches these kernels (interpret mode on CPU; a TPU backend gets the TPU kernels);
-  unsupported requests do not."""
+  unsupported requests do not; a request's kernel config reaches the kernel of its backend only, and anything else
+  given as `kernel_config` is refused by name."""
   p = random_problem(12, B=1, T=20, H=2, HV=2, K=16, V=16, decay="channel")
   q, k, v, beta = (p.arrays(jnp.float32)[n] for n in ("q", "k", "v", "beta"))
   spec = checks.check_solve("delta_rule", q, k, v, beta=beta, chunk_size=16)
@@ -286,6 +287,16 @@ def test_dispatch():
   wide = np.zeros((1, 4, 1, 512), np.float32)
   big = checks.check_solve("delta_rule", wide, wide, wide, beta=np.zeros((1, 4, 1), np.float32))
   assert pallas_kernels.lookup(dataclasses.replace(big, platform="gpu")) is None
+  config = gpu.DEFAULT.override("chunks.online=16")
+  assert lookup(config=config) is gpu.delta_rule and lookup(platform="tpu", config=config) is None
+  assert lookup(platform="tpu", config=tpu_delta_rule.DEFAULT) is tpu_delta_rule.delta_rule
+  assert lookup(config=tpu_delta_rule.DEFAULT) is None
+  kind, fn = dispatch.choose(dataclasses.replace(spec, config=config), "pallas")
+  assert kind == "pallas" and fn.func is gpu.delta_rule and fn.keywords["config"] is config
+  with pytest.raises(ValueError, match="kernel_config.*pallas_kernels.gpu.delta_rule.config.Config"):
+    ops.delta_rule(q, k, v, beta, chunk_size=16, implementation="pallas-tpu", kernel_config=config)
+  with pytest.raises(ValueError, match="`kernel_config` must be None or a kernel backend's Config"):
+    ops.delta_rule(q, k, v, beta, chunk_size=16, kernel_config={"chunk": 16})
   o, s = ops.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], output_final_state=True,
                         chunk_size=16, implementation="pallas")
   o2, s2 = chunked.delta_rule(q, k, v, beta, log_decay=p.arrays(jnp.float32)["log_decay"], chunk_size=16)

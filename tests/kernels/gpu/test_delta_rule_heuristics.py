@@ -1,5 +1,7 @@
 """The launch rules of the GPU delta-rule kernels (`pallas_kernels.gpu.delta_rule.heuristics`) and the checks of
 their config (`config.Config`): which chunk, V block, warps, stages and flags a request gets. No kernel runs."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,8 @@ import pytest
 
 from osdn_jax.testing import random_problem
 from pallas_kernels.gpu import delta_rule as gpu
-from pallas_kernels.gpu.delta_rule import api, heuristics, layout
+from pallas_kernels import delta_rule_shell as shell
+from pallas_kernels.gpu.delta_rule import heuristics, layout
 from pallas_kernels.gpu.delta_rule.config import DEFAULT, Config
 
 F32, BF16 = "float32", "bfloat16"
@@ -16,7 +19,7 @@ F32, BF16 = "float32", "bfloat16"
 def _static(config=DEFAULT, **kw):
   return layout.Static(**{**dict(batch=1, length=64, heads=8, value_heads=8, kw_heads=8, key_dim=128,
                                  value_dim=128, chunk=64, decay="none", scale=1.0, same_keys=True, config=config,
-                                 interpret=True, low_precision=True), **kw})
+                                 interpret=True, bf16_matmuls=True), **kw})
 
 
 def test_online_chunk_rule(monkeypatch):
@@ -33,7 +36,7 @@ def test_online_chunk_rule(monkeypatch):
   with pytest.raises(ValueError, match="Chunks.online"):
     DEFAULT.override(chunks__online=8)
   seen = []
-  monkeypatch.setattr(api, "_delta_rule", lambda *a, **kw: seen.append(kw["chunk_size"]))
+  monkeypatch.setattr(shell, "_delta_rule", lambda *a, **kw: seen.append(kw["chunk_size"]))
   q = jnp.zeros((1, 64, 1, 128), jnp.float32)
   beta = g = jnp.zeros((1, 64, 1), jnp.float32)
   for dtype, log_decay in ((jnp.float32, None), (jnp.float32, g), (jnp.bfloat16, g)):
@@ -110,7 +113,7 @@ def test_state_pass_block_v():
   assert st().state_block_v == 16 and st(batch=8).state_block_v == 64
   assert st(segments=16).state_block_v == 64 and st(segments=16).state_stages == 1 == st(segments=16).stages - 2
   # one stage with fp32 intermediates (an H200's shared memory at K = V = 128) and with K or V above 128
-  assert st(low_precision=False).stages == 1 == st(low_precision=False).state_stages
+  assert st(bf16_matmuls=False).stages == 1 == st(bf16_matmuls=False).state_stages
   assert st(key_dim=256).stages == 1 == st(value_dim=256).stages and st(key_dim=64).stages == DEFAULT.stages == 3
 
 
@@ -134,9 +137,9 @@ def test_grad_block_v():
   otherwise, both clamped to the padded V."""
   c = DEFAULT.override(grads__block_v=64, grads__block_v_fp32=16)
   st = lambda config=c, **kw: _static(config, chunk=16, decay="channel", **kw)
-  assert st().grad_block_v == 64 and st(low_precision=False).grad_block_v == 16
+  assert st().grad_block_v == 64 and st(bf16_matmuls=False).grad_block_v == 16
   assert st(value_dim=32).grad_block_v == 32 and st(DEFAULT).grad_block_v == 128
-  assert st(DEFAULT, low_precision=False).grad_block_v == 32
+  assert st(DEFAULT, bf16_matmuls=False).grad_block_v == 32
   with pytest.raises(ValueError, match="block_v_fp32"):
     DEFAULT.override(grads__block_v_fp32=8)
 
@@ -149,7 +152,7 @@ def test_fuse_inter_rule():
   assert not st().fuse_inter and st(chunk=16, decay="channel").fuse_inter
   assert not st(chunk=16, batch=1).fuse_inter and st(chunk=16, batch=1, segments=8).fuse_inter
   assert not st(chunk=16, key_dim=32).fuse_inter and st(chunk=16, key_dim=64).fuse_inter
-  assert st(low_precision=False).fuse_inter and not st(low_precision=False, key_dim=64).fuse_inter
+  assert st(bf16_matmuls=False).fuse_inter and not st(bf16_matmuls=False, key_dim=64).fuse_inter
   assert st(DEFAULT.override(state__fuse_inter=True), batch=1).fuse_inter
   assert not st(DEFAULT.override(state__fuse_inter=False), chunk=16).fuse_inter
   with pytest.raises(ValueError, match="fuse_inter"):
@@ -190,3 +193,15 @@ def test_config_checks_and_overrides():
     DEFAULT.check(24)
   with pytest.raises(ValueError, match="Chunks.sub=32 must divide chunk_size=16"):
     DEFAULT.override(chunks__sub=32).check(16)
+
+
+def test_tuning_table():
+  """`default_config` reads the tuning table by device kind ("interpret" in interpret mode; kinds without an entry
+  get DEFAULT), and the largest chunks measured are the config's own data (`Chunks.tuned`): without them the
+  requested chunk runs."""
+  assert gpu.default_config(None, "NVIDIA H200") is gpu.TUNING["H200"]
+  assert gpu.default_config(None, "interpret") is gpu.TUNING["interpret"]
+  assert gpu.default_config(None, "NVIDIA A100-SXM4-40GB") is gpu.DEFAULT
+  untuned = dataclasses.replace(DEFAULT, chunks=dataclasses.replace(DEFAULT.chunks, tuned=()))
+  assert heuristics.chunk(DEFAULT, "none", 64, dtype=F32, kdim=128) == 16
+  assert heuristics.chunk(untuned, "none", 64, dtype=F32, kdim=128) == 64

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kernels
 from osdn_jax.dgps import precond
-from osdn_jax.testing import random_d_pass_inputs, rel_rms
+from osdn_jax.testing import random_d_pass_inputs, rel_rms, values_and_grads
 from pallas_kernels.gpu import osdn
 from pallas_kernels.gpu.osdn import blocks as osdn_blocks
 from pallas_kernels.gpu.osdn import forward as osdn_forward
@@ -73,17 +73,10 @@ def _both(a, *, learned_r, config=None, **kw):
 
 
 def _values_and_grads(run, xs, impls, seed=0):
-  """Per impl: (run(impl)(*xs), gradients of Σ ⟨w, output⟩ w.r.t. every x) — one jitted call each."""
-  rng = np.random.default_rng(seed)
-  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in jax.eval_shape(run(impls[-1]), *xs)]
-  out = []
-  for impl in impls:
-    def loss(*xs):
-      outs = run(impl)(*xs)
-      return sum(jnp.sum(o * w) for o, w in zip(outs, ws)), outs
-    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(xs))), has_aux=True))(*xs)
-    out.append((tuple(outs), tuple(grads)))
-  return tuple(out)
+  """Per impl: (run(impl)(*xs), its gradients w.r.t. every x) under the same random cotangents
+  (`osdn_jax.testing.values_and_grads`)."""
+  n_out = len(jax.eval_shape(run(impls[-1]), *xs))
+  return tuple((r[:n_out], r[n_out:]) for r in (values_and_grads(run(impl), xs, seed) for impl in impls))
 
 
 def _assert_close(got, want, names, outputs=("ds", "d_last"), tol=TOL):
@@ -352,8 +345,7 @@ def test_spanned_packed_and_config():
 
   def run(impl):
     def fn(u, n, beta, r, d1):
-      with osdn.configured(config):
-        return precond.osdn_d_pass(u, n, beta, r, d1, a["d0"], implementation=impl, **kw)
+      return precond.osdn_d_pass(u, n, beta, r, d1, a["d0"], implementation=impl, kernel_config=config, **kw)
     return fn
   got, want = _values_and_grads(run, [a[x] for x in ("u", "n", "beta", "r", "d1")], ("pallas", "reference"))
   _assert_close(got, want, ("u", "n", "beta", "r", "d1"))

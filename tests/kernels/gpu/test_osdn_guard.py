@@ -14,7 +14,8 @@ import pytest
 
 from osdn_jax.dgps import precond
 from osdn_jax.ops import dispatch
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import rel_rms, values_and_grads
+from pallas_kernels.gpu import delta_rule as gpu_delta_rule
 from pallas_kernels.gpu import osdn
 from pallas_kernels.spec import Spec
 
@@ -45,10 +46,10 @@ def _inputs(seed, B, T, G, K, dtype):
 
 
 def _values_and_grads(fn, ds, k, beta, seed):
-  w = jnp.asarray(np.random.default_rng(seed + 1).normal(size=ds.shape), F32)
-  loss = lambda *x: jnp.sum(jnp.where(jnp.isnan(y := fn(*x).astype(F32)), 0.0, y) * w)
-  out = fn(ds, k, beta)
-  return (out,) + jax.grad(loss, argnums=(0, 1, 2))(ds, k, beta)
+  """(fn's k̃, its gradients w.r.t. ds, k, β) under random cotangents that are zero on k̃'s NaN entries
+  (`osdn_jax.testing.values_and_grads`)."""
+  masked = lambda *x: jnp.where(jnp.isnan(y := fn(*x)), jnp.zeros((), y.dtype), y)
+  return (fn(ds, k, beta),) + values_and_grads(masked, (ds, k, beta), seed)[1:]
 
 
 def _plain(n):
@@ -114,21 +115,22 @@ def test_a_large_guard_at_the_floor():
 
 def test_dispatch_and_the_switch():
   """The GPU registry serves "osdn_guard" for fp32 / bf16 keys with a static guard; `fused_guard=False` in the
-  d-pass's config (as `osdn:fused_guard=False` gives it) turns it off, and `osdn_write_key` then writes the same key in
-  plain JAX; no TPU kernel (an explicit "pallas-tpu" d-pass keeps the plain-JAX key)."""
+  request's d-pass config (`kernel_config`, as `osdn:fused_guard=False` gives it) turns it off, and `osdn_write_key`
+  then writes the same key in plain JAX; a config of another family is refused; no TPU kernel (an explicit
+  "pallas-tpu" d-pass keeps the plain-JAX key)."""
   gpu = lambda **kw: Spec("osdn_guard", "gpu", kw.pop("dtype", "bfloat16"), key_dim=128, **kw)
   assert dispatch.kernel(gpu()) is osdn.write_key and dispatch.kernel(gpu(dtype="float32")) is osdn.write_key
   assert dispatch.kernel(gpu(static_params=False)) is None and dispatch.kernel(gpu(dtype="float64")) is None
   assert dispatch.kernel(Spec("osdn_guard", "tpu", "bfloat16", key_dim=128)) is None
   off = dataclasses.replace(osdn.INTERPRET, fused_guard=False)
-  with osdn.configured(off):
-    assert dispatch.kernel(gpu()) is None
+  assert dispatch.kernel(gpu(config=off)) is None and dispatch.kernel(gpu(config=osdn.INTERPRET)) is osdn.write_key
+  assert dispatch.kernel(gpu(config=gpu_delta_rule.DEFAULT)) is None
   ds, k, beta, n = _inputs(3, 1, 20, 2, 16, F32)
   b2 = beta * 0.5 + 0.25
   runs = {}
-  for name, ctx in (("on", osdn.INTERPRET), ("off", off)):
-    with osdn.configured(ctx):
-      runs[name] = precond.osdn_write_key(k[:, 3:], b2[:, 3:], d_min=0.0, d_max=8.0, implementation="pallas")[0]
+  for name, config in (("on", osdn.INTERPRET), ("off", off)):
+    runs[name] = precond.osdn_write_key(k[:, 3:], b2[:, 3:], d_min=0.0, d_max=8.0, implementation="pallas",
+                                        kernel_config=config)[0]
   np.testing.assert_allclose(runs["on"], runs["off"], rtol=2e-6, atol=1e-7)
   with pytest.raises(ValueError, match="`beta` must be"):
     osdn.write_key(ds, k, beta[:, 1:], n, guard=GUARD)

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings, strategies as hs
 import pallas_kernels
 from osdn_jax.dgps import precond
 from osdn_jax.ops.scan import affine_scan
-from osdn_jax.testing import close, examples, rel_rms
+from osdn_jax.testing import close, examples, rel_rms, values_and_grads
 from pallas_kernels.gpu import decayed_sum as ds
 from pallas_kernels.spec import Spec
 
@@ -32,29 +32,6 @@ def _inputs(seed, B=2, T=77, H=3, K=20, dtype=F32, extreme=False):
   return x, jnp.asarray(g, F32), jnp.asarray(beta, F32), A0
 
 
-def _values_and_grads(fn, args, seed=1):
-  """(outputs, gradients of Σ ⟨w, outputs⟩ w.r.t. every non-None argument)."""
-  names = [i for i, a in enumerate(args) if a is not None]
-  outs = jax.eval_shape(fn, *args)
-  rng = np.random.default_rng(seed)
-  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in outs]
-
-  def loss(*xs):
-    full = list(args)
-    for i, x in zip(names, xs):
-      full[i] = x
-    o = fn(*full)
-    return sum(jnp.sum(a.astype(F32) * w) for a, w in zip(o, ws)), o
-  (_, o), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
-      *(args[i] for i in names))
-  return tuple(o) + tuple(grads)
-
-
-def _jit_values_and_grads(fn, args):
-  """`_values_and_grads` under one jit (compiling one module beats compiling every primitive eagerly)."""
-  return jax.jit(lambda a: _values_and_grads(fn, a))(args)
-
-
 def _scan_ref(x, g, beta, A0):
   b = x.astype(F32) if beta is None else beta[..., None] * x.astype(F32) ** 2
   return affine_scan(jnp.exp(jnp.maximum(g, -30.0))[..., None], b, initial=A0, axis=1)
@@ -67,8 +44,8 @@ def test_decayed_sum_against_associative_scan(square, initial, extreme):
   beta = beta if square else None
   A0 = A0 if initial else None
   kernel = lambda x, g, beta, A0: ds.decayed_sum(x, g, beta=beta, initial_state=A0)
-  got = _values_and_grads(kernel, (x, g, beta, A0))
-  want = _values_and_grads(_scan_ref, (x, g, beta, A0))
+  got = values_and_grads(kernel, (x, g, beta, A0))
+  want = values_and_grads(_scan_ref, (x, g, beta, A0))
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.shape == b.shape and np.all(np.isfinite(np.asarray(a))), i
     assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
@@ -82,26 +59,6 @@ def test_decayed_sum_bf16_input():
   assert got[0].dtype == F32 and rel_rms(got[0], want[0]) < TOL and rel_rms(got[1], want[1]) < TOL
   dx = jax.grad(lambda x: jnp.sum(ds.decayed_sum(x, g, beta=beta)[0]))(x)
   assert dx.dtype == jnp.bfloat16
-
-
-@pytest.mark.parametrize("which", ["pdn", "atq"])
-def test_preconditioners_through_the_kernel(which):
-  """pdn_write_key / atq_query with implementation="pallas" (the fused kernel `precond_key`) against "xla":
-  values and gradients w.r.t. k, the gates and the initial state (and q for ATQ)."""
-  x, g, beta, A0 = _inputs(5, H=2, K=16)
-  k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = jnp.flip(k, 1)
-
-  def run(impl):
-    if which == "pdn":
-      return lambda k, g, beta, A0: precond.pdn_write_key(k, beta, g, jnp.array([-0.2, 0.1]), initial_state=A0,
-                                                          implementation=impl)
-    return lambda k, g, beta, A0: precond.atq_query(q, k, beta, g, initial_state=A0, implementation=impl)
-
-  got = _jit_values_and_grads(run("pallas"), (k, g, beta, A0))
-  want = _jit_values_and_grads(run("xla"), (k, g, beta, A0))
-  for i, (a, b) in enumerate(zip(got, want)):
-    assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
 
 
 def test_dispatch_and_errors():
@@ -170,8 +127,8 @@ def test_precond_key_against_scan(which, T, initial, extreme):
   """Outputs, A_T and the gradients of every input (k, q, β, g, center, A0) under random cotangents on both
   outputs; T = 77 (one padded chunk and a part) or 150 (three chunks), K = 20; extreme gates finite and equal."""
   args = _key_args(which, *_key_inputs(7, T, extreme=extreme), initial=initial)
-  got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
-  want = _jit_values_and_grads(_key_fn(which, "xla"), args)
+  got = values_and_grads(_key_fn(which, "pallas"), args)
+  want = values_and_grads(_key_fn(which, "xla"), args)
   assert len(got) == 2 + sum(a is not None for a in args)
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.shape == b.shape and a.dtype == b.dtype and np.all(np.isfinite(np.asarray(a))), i
@@ -197,12 +154,12 @@ def test_precond_key_random_shapes(seed, which, H, K, T, initial, extreme):
     k[:, 3::4] = 0.0
   raw = (k, rng.normal(size=k.shape), beta, g, rng.random(size=(2, H, K)), rng.normal(size=(H,)) * 0.3)
   args = lambda dtype: _key_args(which, *(jnp.asarray(x, dtype) for x in raw), initial=initial)
-  got = _jit_values_and_grads(_key_fn(which, "pallas"), args(F32))
-  want = _jit_values_and_grads(_key_fn(which, "xla"), args(jnp.float64))
+  got = values_and_grads(_key_fn(which, "pallas"), args(F32))
+  want = values_and_grads(_key_fn(which, "xla"), args(jnp.float64))
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.shape == b.shape and a.dtype == F32 and np.all(np.isfinite(np.asarray(a))), i
     if which == "pdn" and i == len(got) - 1 and not close(a, b, 1e-5, 1e-7):       # dc
-      scan_fp32 = _jit_values_and_grads(_key_fn(which, "xla"), args(F32))[i]
+      scan_fp32 = values_and_grads(_key_fn(which, "xla"), args(F32))[i]
       assert rel_rms(a, b) <= 2 * rel_rms(scan_fp32, b), (rel_rms(a, b), rel_rms(scan_fp32, b))
     else:
       assert close(a, b, 1e-5, 1e-7), (i, rel_rms(a, b))
@@ -217,8 +174,8 @@ def test_precond_key_split_blocks():
 
   def fn(k, q, beta, g, A0, c):
     return pk.precond_key(k, beta, g, transform="pdn", center=c, x=1.7, initial_state=A0, config=config)
-  got = _jit_values_and_grads(fn, args)
-  want = _jit_values_and_grads(_key_fn("pdn", "xla"), args)
+  got = values_and_grads(fn, args)
+  want = values_and_grads(_key_fn("pdn", "xla"), args)
   for i, (a, b) in enumerate(zip(got, want)):
     assert rel_rms(a, b) < TOL, (i, rel_rms(a, b))
   with pytest.raises(ValueError, match="Config.chunk"):
@@ -230,8 +187,8 @@ def test_precond_key_bf16_inputs():
   k, q, beta, g, A0, center = _key_inputs(8, 77, dtype=jnp.bfloat16)
   for which in ("pdn", "atq"):
     args = _key_args(which, k, q, beta, g, A0, center)
-    got = _jit_values_and_grads(_key_fn(which, "pallas"), args)
-    want = _jit_values_and_grads(_key_fn(which, "xla"), args)
+    got = values_and_grads(_key_fn(which, "pallas"), args)
+    want = values_and_grads(_key_fn(which, "xla"), args)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == F32 and got[2].dtype == jnp.bfloat16
     for i, (a, b) in enumerate(zip(got, want)):
       assert a.dtype == b.dtype and rel_rms(a, b) < 1e-2, (which, i, rel_rms(a, b))

@@ -19,7 +19,7 @@ import pallas_kernels
 from osdn_jax.dgps import precond
 from osdn_jax.ops import dispatch
 from osdn_jax.ops.scan import affine_scan
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import rel_rms, values_and_grads
 from pallas_kernels.gpu import decayed_sum as gpu_ds
 from pallas_kernels.spec import OPS, Spec
 from pallas_kernels.tpu import common
@@ -45,23 +45,6 @@ def _inputs(seed, B, T, H, K, dtype=F32, extreme=False):
   return x, jnp.asarray(g, F32), jnp.asarray(beta, F32), A0
 
 
-def _values_and_grads(fn, args, seed=1):
-  """(outputs, gradients of Σ ⟨w, outputs⟩ w.r.t. every non-None argument), one jitted program."""
-  where = [i for i, a in enumerate(args) if a is not None]
-  rng = np.random.default_rng(seed)
-  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in jax.eval_shape(fn, *args)]
-
-  def loss(*xs):
-    full = list(args)
-    for i, x in zip(where, xs):
-      full[i] = x
-    outs = fn(*full)
-    return sum(jnp.sum(o * w.astype(o.dtype)) for o, w in zip(outs, ws)), outs
-  run = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(where))), has_aux=True))
-  (_, outs), grads = run(*(args[i] for i in where))
-  return tuple(outs) + tuple(grads)
-
-
 def _contract(x, g, beta, A0, *, precision):
   """The library's result: `second_moment(implementation="xla")` (square) or `affine_scan` (plain), in fp32 or in
   fp64 (inputs promoted)."""
@@ -77,7 +60,7 @@ CASES = {   # (B, T, H, K, square, initial state, extreme gates, dtype, config)
     "T37-K64": (2, 37, 3, 64, True, False, True, F32, None),
     "T1-K128-plain": (2, 1, 2, 128, False, True, False, F32, None),
     "T300-K37-plain": (1, 300, 3, 37, False, True, True, F32, None),
-    "T300-K256-H16-v6e_blocks-bf16": (1, 300, 16, 256, True, True, False, jnp.bfloat16, ds.CONFIGS["v6e"]),
+    "T300-K256-H16-v6e_blocks-bf16": (1, 300, 16, 256, True, True, False, jnp.bfloat16, ds.TUNING["v6e"]),
 }
 
 
@@ -90,13 +73,13 @@ def test_interpret_parity(case, races):
   args = (x, g, beta if square else None, A0 if initial else None)
   kernel = lambda x, g, beta, A0: ds.decayed_sum(x, g, beta=beta, initial_state=A0, interpret=INTERPRET,
                                                  config=config)
-  got = _values_and_grads(kernel, args)
+  got = values_and_grads(kernel, args)
   names = ["A", "A_T", "dx", "dg"] + (["dbeta"] if square else []) + (["dA0"] if initial else [])
   assert len(got) == len(names) and got[0].dtype == F32 and got[2].dtype == dtype
   for precision in ("fp32", "fp64"):
     contract = lambda x, g, beta, A0: _contract(x, g, beta, jnp.zeros((B, H, K), F32) if A0 is None else A0,
                                                 precision=precision)
-    want = _values_and_grads(contract, args)
+    want = values_and_grads(contract, args)
     for name, a, b in zip(names, got, want):
       tol = 2**-8 if name == "dx" and dtype == jnp.bfloat16 else TOL
       assert a.shape == b.shape and np.all(np.isfinite(np.asarray(a))), (precision, name)
@@ -132,7 +115,7 @@ def test_precond_key(transform, races):
     def ref(k, g, b, a0, q):
       return precond.atq_query(q, k, b, g, lam=0.5, initial_state=a0, implementation="xla")
     args = (x, g, beta, A0, q)
-  got, want = _values_and_grads(fn, args), _values_and_grads(ref, args)
+  got, want = values_and_grads(fn, args), values_and_grads(ref, args)
   errors = [rel_rms(a, b) for a, b in zip(got, want)]
   assert max(errors) < TOL, errors
   with pytest.raises(ValueError, match="center"):
@@ -161,10 +144,10 @@ def test_registration_and_dispatch():
 
 
 def test_configs_layouts_and_errors():
-  assert ds.config_for("TPU v5 lite") == ds.CONFIGS["v5e"] and ds.config_for("TPU v5e") == ds.CONFIGS["v5e"]
-  assert ds.config_for("TPU v5") == ds.config_for("TPU v5p") == ds.CONFIGS["v5p"]
-  assert ds.config_for("TPU v6 lite") == ds.CONFIGS["v6e"] and ds.config_for("TPU v4") == ds.CONFIGS["v4"]
-  assert ds.config_for("cpu") == ds.Config() and ds.config_for() == ds.Config()    # this backend is a CPU
+  assert ds.default_config(None, "TPU v5 lite") == ds.TUNING["v5e"] and ds.default_config(None, "TPU v5e") == ds.TUNING["v5e"]
+  assert ds.default_config(None, "TPU v5") == ds.default_config(None, "TPU v5p") == ds.TUNING["v5p"]
+  assert ds.default_config(None, "TPU v6 lite") == ds.TUNING["v6e"] and ds.default_config(None, "TPU v4") == ds.TUNING["v4"]
+  assert ds.default_config(None, "cpu") == ds.Config() and ds.default_config() == ds.Config()    # this backend is a CPU
   for bad in ({"chunk": 100}, {"chunk": 0}, {"block_k": 64}, {"block_h": 4}, {"chunk": True}):
     with pytest.raises(ValueError, match=next(iter(bad))):
       ds.Config(**bad)
@@ -202,7 +185,7 @@ def test_compiles_for_tpu(topology, shape, record_property, capsys):
 
   from osdn_jax.train import aot
   devices = aot.topology_devices(topology)
-  config = ds.config_for(devices[0].device_kind)
+  config = ds.default_config(None, devices[0].device_kind)
   sd = lambda *s, dtype=F32: jax.ShapeDtypeStruct(s, dtype, sharding=SingleDeviceSharding(devices[0]))
   B, T, H, K = shape
 
@@ -231,7 +214,7 @@ def test_odd_shapes_compile_for_tpu():
 
   from osdn_jax.train import aot
   devices = aot.topology_devices("v5e:1x1")
-  config = ds.config_for(devices[0].device_kind)
+  config = ds.default_config(None, devices[0].device_kind)
   sd = lambda *s, dtype=F32: jax.ShapeDtypeStruct(s, dtype, sharding=SingleDeviceSharding(devices[0]))
 
   def loss(*args):

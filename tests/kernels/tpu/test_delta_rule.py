@@ -29,7 +29,7 @@ from pallas_kernels.tpu import delta_rule as tpu
 from pallas_kernels.tpu.delta_rule import Config
 from pallas_kernels.tpu.delta_rule.backward import channel_cols, channel_rows
 from pallas_kernels.tpu.delta_rule.kernel import channel_scores, unit_lower_inverse
-from pallas_kernels.tpu.delta_rule.layout import interpret_mode
+from pallas_kernels.tpu.common import interpret_mode
 
 DECAYS = ("none", "scalar", "channel")
 
@@ -321,9 +321,9 @@ def test_bad_inputs():
     Config(layout="rows")
   with pytest.raises(ValueError, match="sub"):
     Config(sub=12)
-  assert tpu.config_for("TPU v6 lite") == tpu.config_for("v6e:2x2") == tpu.CONFIGS["v6e"]
-  assert tpu.config_for("TPU v5 lite") == tpu.config_for("v5p:2x2x1") == tpu.DEFAULT
-  assert tpu.config_for() == tpu.DEFAULT                                     # this backend is a CPU
+  assert tpu.default_config(None, "TPU v6 lite") == tpu.default_config(None, "v6e:2x2") == tpu.TUNING["v6e"]
+  assert tpu.default_config(None, "TPU v5 lite") == tpu.default_config(None, "v5p:2x2x1") == tpu.DEFAULT
+  assert tpu.default_config() == tpu.DEFAULT                                    # this backend is a CPU
   with pytest.raises(ValueError, match="segment_ids"):
     solve(tpu.delta_rule, interpret=True, segment_ids=jnp.zeros((1, 15), jnp.int32), num_segments=1)(**a)
   with pytest.raises(ValueError, match="num_segments"):
@@ -488,7 +488,7 @@ def test_aot_gradient_compiles_for_tpu(topology, decay, shape, record_property):
   memory is the state entering every chunk that the forward saves for the backward (fp32 [B, H, T/C, K, V]) and a
   few token arrays of XLA's (o, its cotangent, the gates laid out for the kernels)."""
   dims = LARGE if shape == "large" else LONG
-  memory = _aot_memory(topology, decay=decay, grad=True, config=tpu.config_for(topology), **dims)
+  memory = _aot_memory(topology, decay=decay, grad=True, config=tpu.default_config(None, topology), **dims)
   record_property("memory", memory)
   print(f"{topology} decay {decay} {shape}, value and gradients: {memory}")
   b, t, h, kd, vd = (dims[n] for n in "BTHKV")

@@ -18,7 +18,7 @@ import pytest
 
 from osdn_jax.dgps import precond
 from osdn_jax.ops import packing
-from osdn_jax.testing import random_d_pass_inputs, rel_rms
+from osdn_jax.testing import random_d_pass_inputs, rel_rms, values_and_grads
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu import osdn
@@ -34,18 +34,6 @@ def seed():
 
 
 _inputs = random_d_pass_inputs
-
-
-def _values_and_grads(fn, args, seed):
-  """(outputs, gradients of Σ ⟨w, outputs⟩ w.r.t. every argument), one jitted program; w drawn from seed."""
-  rng = np.random.default_rng(seed)
-  ws = [jnp.asarray(rng.normal(size=o.shape), F32) for o in jax.eval_shape(fn, *args)]
-
-  def loss(*xs):
-    outs = fn(*xs)
-    return sum(jnp.sum(o * w.astype(o.dtype)) for o, w in zip(outs, ws)), outs
-  (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
-  return tuple(outs) + tuple(grads)
 
 
 def _clipped_fraction(a, ds, *, eta, lo, hi, apf_anchor, learned_r):
@@ -107,12 +95,12 @@ def _run(case, seed):
       return precond.osdn_d_pass(*args, segment_ids=ids, implementation=impl, **kw)
     return fn
   args = [a[n] for n in names]
-  got = _values_and_grads(call("kernel"), args, seed)
+  got = values_and_grads(call("kernel"), args, seed)
   labels = ["ds", "d_last"] + ["d" + n for n in names]
   assert [g.dtype for g in got] == [F32] * len(labels), [g.dtype for g in got]
   if not learned_r:      # d_init is unused: its gradient is zero (the chunked form leaves rounding noise)
     assert not np.any(np.asarray(got[-1])), seed
-  want32, want64 = _values_and_grads(call("xla"), args, seed), _values_and_grads(call("reference", F64), args, seed)
+  want32, want64 = values_and_grads(call("xla"), args, seed), values_and_grads(call("reference", F64), args, seed)
   for label, x, y32, y64 in zip(labels, got, want32, want64):
     if label == "dd0" and not learned_r:
       continue

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 
 from osdn_jax.dgps import precond
-from osdn_jax.testing import rel_rms
+from osdn_jax.testing import rel_rms, values_and_grads
 from pallas_kernels.tpu import osdn
 from pallas_kernels.tpu.osdn import blocks, kernel
 from pallas_kernels.tpu.osdn.config import static
-from tests.kernels.tpu.test_osdn import (INTERPRET, TOL, _clipped_fraction, _inputs, _lower, _values_and_grads,
-                                        needs_libtpu)
+from tests.kernels.tpu.test_osdn import INTERPRET, TOL, _clipped_fraction, _inputs, _lower, needs_libtpu
 
 F32, F64 = jnp.float32, jnp.float64
 
@@ -178,10 +177,10 @@ def test_interpret_parity(case, seed, races):
   kw = dict(eta=eta, d_min=lo, d_max=hi, apf_anchor=anchor)
   args = [a[n] for n in names]
   config = lambda form: osdn.Config(form=form, block_t=L, block_h=hb, unroll=unroll)
-  got = _values_and_grads(_fn(names, "kernel", kw, config("blocks")), args, seed)
-  tokens = _values_and_grads(_fn(names, "kernel", kw, config("tokens")), args, seed)
-  want32 = _values_and_grads(_fn(names, "xla", kw), args, seed)
-  want64 = _values_and_grads(_fn(names, "reference", kw, dtype=F64), args, seed)
+  got = values_and_grads(_fn(names, "kernel", kw, config("blocks")), args, seed)
+  tokens = values_and_grads(_fn(names, "kernel", kw, config("tokens")), args, seed)
+  want32 = values_and_grads(_fn(names, "xla", kw), args, seed)
+  want64 = values_and_grads(_fn(names, "reference", kw, dtype=F64), args, seed)
   labels = ["ds", "d_last"] + ["d" + n for n in names]
   assert [g.dtype for g in got] == [F32] * len(labels), [g.dtype for g in got]
   for label, x, y, y32, y64 in zip(labels, got, tokens, want32, want64):
@@ -249,7 +248,7 @@ def test_fallback_only_where_the_clip_acts(monkeypatch, seed, races):
                                    ((False, True), None, ((0, False), (2, True)), never)):
     monkeypatch.setattr(kernel, "_fallback", _marked(passes))
     jax.clear_caches()                       # the jitted d-pass was traced with the real fallback
-    outs = _values_and_grads(fn("blocks", hi), args, seed) if True in passes else fn("blocks", hi)(*args)
+    outs = values_and_grads(fn("blocks", hi), args, seed) if True in passes else fn("blocks", hi)(*args)
     monkeypatch.undo()
     if passes == (True,):                    # the forward ran its blocks as they are
       assert rel_rms(outs[0], tokens[0]) < 2 * TOL and rel_rms(outs[1], tokens[1]) < 2 * TOL, seed
@@ -274,7 +273,7 @@ def test_ties_with_a_bound_run_token_by_token(seed, races):
   kw = dict(eta=0.8, d_min=None, d_max=4.0, apf_anchor="zero")
   fn = lambda form: lambda u, n, beta, d1, d0: osdn.d_pass(u, n, beta, None, d1, d0, interpret=INTERPRET,
                                                            config=osdn.Config(form=form, unroll=2), **kw)
-  got, want = (_values_and_grads(fn(form), args, seed) for form in ("blocks", "tokens"))
+  got, want = (values_and_grads(fn(form), args, seed) for form in ("blocks", "tokens"))
   assert np.all(np.asarray(want[0])[..., 0] == 4.0) and np.all(np.asarray(want[0])[..., 1:] < 3.9), seed
   for x, y in zip(got, want):
     assert rel_rms(x, y) < TOL, seed
