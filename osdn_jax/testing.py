@@ -104,7 +104,8 @@ def assert_trees_close(got: dict, want: dict, dtype, *, dtypes: dict | None = No
 # Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
 # `make test` runs these where a test would run every point; CI's slow step runs the others
 # (tests/dgps/test_points.py checks the cover).
-COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "longhorn", "nlms")
+COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "mesa", "longhorn",
+                   "nlms")
 
 
 def every_point(names):
