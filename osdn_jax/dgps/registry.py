@@ -289,6 +289,11 @@ def _mesa(c: Context):
   return dict(q_tilde=q_tilde), H
 
 
+def has_mesa_pass(point) -> bool:
+  """Whether `point`'s preconditioner is MesaNet's CG solve on the query, whatever it is registered as."""
+  return point.axis("precond").apply is _mesa
+
+
 def _second_moment_init(key, d: Dims, o):
   params = decay_fns.init_gate(key, (d.heads,))
   params["center"] = jnp.full((d.heads,), o["center_init"], jnp.float32)
