@@ -27,13 +27,15 @@ the pallas values raise):
 
 Shapes: q, k [B, T, H, K] (expanded to the HV heads of the gates); beta None (β = 1) or [B, T, HV]; log_decay
 None or [B, T, HV] (a per-channel decay leaves H_t unsymmetric and is refused); lam [HV, K] (or broadcastable),
-positive; initial_state None or [B, HV, K, K]. Returns (q̃ [B, T, HV, K] in q.dtype, H_T [B, HV, K, K] in the
+positive; initial_state None or [B, HV, K, K]; segment_ids None or [B, T] (packed rows: states [N, HV, K, K] per
+segment, `mesa_query`). Returns (q̃ [B, T, HV, K] in q.dtype, H_T [B, HV, K, K] in the
 compute dtype: fp32, fp64 for fp64 inputs). Log-decays are floored at −30 (docs/design.md §2).
 """
 from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,8 @@ import numpy as np
 from jax import lax
 
 from osdn_jax.dgps import checks
-from osdn_jax.ops import common, dispatch
+from osdn_jax.ops import checks as ops_checks
+from osdn_jax.ops import common, dispatch, packing
 
 _HI = lax.Precision.HIGHEST
 SOLVERS = ("cg", "exact")
@@ -89,50 +92,89 @@ def _matvec(H, x):
   return jnp.einsum("...ij,...j->...i", H, x, precision=_HI)
 
 
-def _reference(q, k, beta, g, lam, H0, *, solver: str, steps: int, tol: float):
-  """Token-serial: q, k [B, T, HV, K], beta, g [B, T, HV], lam [HV, K], H0 [B, HV, K, K] (compute dtype)."""
+class _Packing(NamedTuple):
+  """Packed rows: starts, index [B, T] (`packing.segment_starts`, `packing.segment_index`) and N (None: unknown,
+  traced ids without an initial state; then no final states)."""
+  starts: Any
+  index: Any
+  n: int | None
 
-  def token(H, xs):
-    q_t, k_t, b_t, g_t = xs
+
+def _reference(q, k, beta, g, lam, H0, *, solver: str, steps: int, tol: float, packed: _Packing | None = None):
+  """Token-serial: q, k [B, T, HV, K], beta, g [B, T, HV], lam [HV, K], H0 [B, HV, K, K] ([N, ...] packed, or None:
+  zeros) in the compute dtype. Returns (q̃, H_T [B, ...], or each segment's last H [N, ...], or None)."""
+  b, t, hv, kd = q.shape
+  eye = jnp.eye(kd, dtype=q.dtype)
+
+  def token(carry, xs):
+    H, finals = carry
+    q_t, k_t, b_t, g_t, start, idx = xs
+    if packed is not None:   # a segment's first token starts from its own initial state
+      fresh = jnp.zeros_like(H) if H0 is None else H0[idx]
+      H = jnp.where(start[:, None, None, None], fresh, H)
     H = jnp.exp(g_t)[..., None, None] * H + b_t[..., None, None] * k_t[..., :, None] * k_t[..., None, :]
     if solver == "exact":
-      x = jnp.linalg.solve(H + lam[..., :, None] * jnp.eye(H.shape[-1], dtype=H.dtype), q_t[..., None])[..., 0]
+      x = jnp.linalg.solve(H + lam[..., :, None] * eye, q_t[..., None])[..., 0]
     else:
       inv_diag = 1.0 / (jnp.diagonal(H, axis1=-2, axis2=-1) + lam)
       x = _implicit_cg(lambda p: _matvec(H, p) + lam * p, q_t, inv_diag, steps, tol)
-    return H, x
+    if finals is not None:   # every token overwrites its segment's slot: the last one stays
+      finals = finals.at[idx].set(H)
+    return (H, finals), x
 
   move = lambda a: jnp.moveaxis(a, 1, 0)
-  H_T, xs = lax.scan(token, H0, (move(q), move(k), move(beta), move(g)))
-  return jnp.moveaxis(xs, 0, 1), H_T
+  if packed is None:
+    H_init, finals = (jnp.zeros((b, hv, kd, kd), q.dtype) if H0 is None else H0), None
+    starts = index = jnp.zeros((b, t), jnp.int32)
+  else:
+    H_init = jnp.zeros((b, hv, kd, kd), q.dtype)
+    finals = None if packed.n is None else jnp.zeros((packed.n, hv, kd, kd), q.dtype)
+    starts, index = packed.starts, packed.index
+  (H_T, finals), xs = lax.scan(token, (H_init, finals),
+                               (move(q), move(k), move(beta), move(g), move(starts), move(index)))
+  return jnp.moveaxis(xs, 0, 1), (H_T if packed is None else finals)
 
 
-def _chunked(q, k, beta, g, lam, H0, *, steps: int, tol: float, chunk: int):
-  """Chunkwise: q, k [B, T, HV, K], beta, g [B, T, HV], lam [HV, K], H0 [B, HV, K, K] (compute dtype)."""
+def _chunked(q, k, beta, g, lam, H0, *, steps: int, tol: float, chunk: int, packed: _Packing | None = None):
+  """Chunkwise: q, k [B, T, HV, K], beta, g [B, T, HV], lam [HV, K], H0 [B, HV, K, K] or None (zeros) in the compute
+  dtype. Packed (no initial state): the pairs of two segments and the carried state of another segment are masked
+  out; each segment's last H comes from the per-token H_t at its last token (when N is known).
+  Returns (q̃, H_T [B, ...] or [N, ...] packed, or None)."""
   b, t, hv, kd = q.shape
   c = min(chunk, t)
   n = -(-t // c)
   pad = n * c - t
+  seg = None if packed is None else packed.index
   if pad:   # zero tokens: β = 0 and g = 0 leave H unchanged, q = 0 gives q̃ = 0
     widen = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
     q, k, beta, g = map(widen, (q, k, beta, g))
+    seg = None if seg is None else jnp.pad(seg, [(0, 0), (0, pad)], mode="edge")
   # [B, N, HV, C, (K)]: the chunk's tokens along C.
   split = lambda a: jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 2, 3)
   Q, Kc, Bc, Gc = split(q), split(k), split(beta), split(g)
   G = jnp.cumsum(Gc, axis=-1)                                           # inclusive, per chunk
   causal = jnp.tril(jnp.ones((c, c), bool))
-  diff = jnp.where(causal, G[..., :, None] - G[..., None, :], 0.0)
-  L = jnp.where(causal, jnp.exp(diff), 0.0) * Bc[..., None, :]           # [B, N, HV, C(t), C(j)]
   into = jnp.exp(G)                                                     # e^{G_t}: the entering state's weight
   w_out = jnp.exp(G[..., -1:] - G) * Bc                                 # token j's weight in the leaving state
+  keep = jnp.ones((b, n, 1), G.dtype)                                   # the leaving state keeps the entering one
+  if seg is not None:
+    s = seg.reshape(b, n, 1, c)                                         # [B, N, 1, C]: broadcast over heads
+    causal = causal & (s[..., :, None] == s[..., None, :])
+    entering = jnp.concatenate([seg[:, :1], seg[:, c - 1:-1:c]], axis=1).reshape(b, n, 1, 1)
+    into = jnp.where(s == entering, into, 0.0)
+    w_out = jnp.where(s == s[..., -1:], w_out, 0.0)
+    keep = (s[..., -1] == entering[..., 0]).astype(G.dtype)
+  diff = jnp.where(causal, G[..., :, None] - G[..., None, :], 0.0)
+  L = jnp.where(causal, jnp.exp(diff), 0.0) * Bc[..., None, :]           # [B, N, HV, C(t), C(j)]
   dH = jnp.einsum("bnhc,bnhci,bnhcj->bnhij", w_out, Kc, Kc, precision=_HI)
-  a = jnp.exp(G[..., -1])                                               # [B, N, HV]
+  a = jnp.exp(G[..., -1]) * keep                                        # [B, N, HV]
 
   def across(H, xs):
     a_n, dH_n = xs
     return a_n[..., None, None] * H + dH_n, H
 
-  H_T, H_in = lax.scan(across, H0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(dH, 1, 0)))
+  H_start = jnp.zeros((b, hv, kd, kd), q.dtype) if H0 is None else H0
+  H_T, H_in = lax.scan(across, H_start, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(dH, 1, 0)))
   H_in = jnp.moveaxis(H_in, 0, 1)                                       # [B, N, HV, K, K] entering each chunk
   lam_c = lam[:, None, :]                                               # [HV, 1, K]
 
@@ -145,15 +187,27 @@ def _chunked(q, k, beta, g, lam, H0, *, steps: int, tol: float, chunk: int):
   diag = into[..., None] * diag_in + jnp.einsum("bnhtj,bnhjk->bnhtk", L, Kc * Kc, precision=_HI)
   X = _implicit_cg(matvec, Q, 1.0 / (diag + lam_c), steps, tol)
   x = jnp.moveaxis(X, 3, 2).reshape(b, n * c, hv, kd)[:, :t]
-  return x, H_T
+  if packed is None:
+    return x, H_T
+  if packed.n is None:
+    return x, None
+  # Each segment's last H: H_t = e^{G_t} H_in + Σ_j L_tj k_j k_jᵀ at the segment's last token.
+  H_t = (into[..., None, None] * H_in[:, :, :, None]
+         + jnp.einsum("bnhtj,bnhji,bnhjk->bnhtik", L, Kc, Kc, precision=_HI))
+  H_t = jnp.moveaxis(H_t, 3, 2).reshape(b, n * c, hv, kd, kd)[:, :t]
+  last = jnp.concatenate([packed.starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+  finals = jnp.zeros((packed.n, hv, kd, kd), q.dtype)
+  return x, finals.at[packed.index.reshape(-1)].add(
+      jnp.where(last.reshape(-1)[:, None, None, None], H_t.reshape(b * t, hv, kd, kd), 0.0))
 
 
 def _fail(name: str, expected: str, got) -> ValueError:
   return ValueError(f"mesa_query: `{name}` must be {expected}, got {got}")
 
 
-def _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, chunk_size):
-  """ValueErrors naming the argument; returns HV."""
+def _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, chunk_size, segment_ids):
+  """ValueErrors naming the argument; returns (HV, N: the rows of the states — B, or the segments when packed,
+  None when traced ids leave it unknown)."""
   for name, x in (("q", q), ("k", k)):
     if np.ndim(x) != 4:
       raise _fail(name, "an array [B, T, H, K]", f"shape {np.shape(x)}")
@@ -187,9 +241,12 @@ def _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, 
   if not ok:
     raise _fail("lam", f"broadcastable to [HV, K] = {(hv, kd)}", f"shape {np.shape(lam)}")
   checks.number("mesa_query", "lam", lam, low=0.0, low_open=True, scalar=False)
+  rows = ops_checks._check_segments("mesa_query", segment_ids, initial_state, False, b, t)
   if initial_state is not None:
-    if tuple(np.shape(initial_state)) != (b, hv, kd, kd):
-      raise _fail("initial_state", f"of shape [B, HV, K, K] = {(b, hv, kd, kd)}", f"shape {np.shape(initial_state)}")
+    lead = "B" if segment_ids is None else "N"
+    if tuple(np.shape(initial_state)) != (rows, hv, kd, kd):
+      raise _fail("initial_state", f"of shape [{lead}, HV, K, K] = {(rows, hv, kd, kd)}",
+                  f"shape {np.shape(initial_state)}")
     if not jnp.issubdtype(jnp.result_type(initial_state), jnp.floating):
       raise _fail("initial_state", "a floating array", f"dtype {jnp.result_type(initial_state)}")
   checks.positive_int("mesa_query", "cg_steps", cg_steps)
@@ -199,7 +256,7 @@ def _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, 
   if solver not in SOLVERS:
     raise _fail("solver", f"one of {SOLVERS}", repr(solver))
   checks.positive_int("mesa_query", "chunk_size", chunk_size)
-  return hv
+  return hv, rows
 
 
 def mesa_query(q, k, beta=None, log_decay=None, *, lam, initial_state=None, cg_steps: int = CG_STEPS,
@@ -207,12 +264,15 @@ def mesa_query(q, k, beta=None, log_decay=None, *, lam, initial_state=None, cg_s
                implementation: str = "auto"):
   """q̃_t = (H_t + Λ)⁻¹ q_t (the module docstring's shapes and implementations). Returns (q̃, H_T).
 
-  solver "exact" (a dense solve per token) only with implementation "reference". segment_ids (packed rows) are not
-  supported: a ValueError."""
+  solver "exact" (a dense solve per token) only with implementation "reference". segment_ids [B, T] (packed rows,
+  `osdn_jax.ops.packing`): every segment starts from its own initial state (initial_state [N, HV, K, K], zeros by
+  default) and H_T is each segment's last H [N, HV, K, K] (None when N is unknown: traced ids, no initial state).
+  The chunked form takes packed rows without initial states (a training step's); with them, use "reference"."""
   impl = dispatch.normalize("mesa_query", implementation)
-  hv = _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, chunk_size)
-  if segment_ids is not None:
-    raise ValueError("mesa_query: `segment_ids` (packed rows) are not supported; run each sequence as a row")
+  hv, rows = _check(q, k, beta, log_decay, lam, initial_state, cg_steps, cg_tol, solver, chunk_size, segment_ids)
+  if segment_ids is not None and initial_state is not None and impl != "reference":
+    raise ValueError("mesa_query: packed rows (`segment_ids`) with an `initial_state` run only with implementation "
+                     f"'reference', got {impl!r}")
   if dispatch.is_pallas(impl):
     raise ValueError(f"mesa_query: `implementation`={impl!r} has no kernel (MesaNet's pass runs in XLA); use "
                      "'xla' or 'auto'")
@@ -225,11 +285,14 @@ def mesa_query(q, k, beta=None, log_decay=None, *, lam, initial_state=None, cg_s
   beta = jnp.ones((b, t, hv), ct) if beta is None else cast(beta)
   g = jnp.zeros((b, t, hv), ct) if log_decay is None else jnp.maximum(cast(log_decay), common.LOG_DECAY_FLOOR)
   lam = jnp.broadcast_to(cast(lam), (hv, kd))
-  H0 = jnp.zeros((b, hv, kd, kd), ct) if initial_state is None else cast(initial_state)
+  H0 = None if initial_state is None else cast(initial_state)
+  packed = None if segment_ids is None else _Packing(packing.segment_starts(segment_ids),
+                                                     packing.segment_index(segment_ids), rows)
   if impl == "reference":
-    x, H_T = _reference(qe, ke, beta, g, lam, H0, solver=solver, steps=cg_steps, tol=float(cg_tol))
+    x, H_T = _reference(qe, ke, beta, g, lam, H0, solver=solver, steps=cg_steps, tol=float(cg_tol), packed=packed)
   else:
-    x, H_T = _chunked(qe, ke, beta, g, lam, H0, steps=cg_steps, tol=float(cg_tol), chunk=chunk_size)
+    x, H_T = _chunked(qe, ke, beta, g, lam, H0, steps=cg_steps, tol=float(cg_tol), chunk=chunk_size,
+                      packed=packed)
   return x.astype(q.dtype), H_T
 
 

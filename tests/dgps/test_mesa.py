@@ -119,6 +119,41 @@ def test_chaining_through_the_state_equals_one_call():
   assert rel_rms(jnp.concatenate([x1, x2], 1), x) < 1e-12 and rel_rms(H2, H_T) < 1e-12
 
 
+# Packed rows: segments of 13, 17 and 10 tokens in row 0, of 16, 1 and 23 in row 1.
+_SEGS = [(0, 0, 13), (0, 13, 30), (0, 30, 40), (1, 0, 16), (1, 16, 17), (1, 17, 40)]
+
+
+def _packed_ids():
+  ids = np.zeros((2, 40), np.int32)
+  for n, (b, s, e) in enumerate(_SEGS):
+    ids[b, s:e] = n
+  return jnp.asarray(ids)
+
+
+def test_packed_rows_match_each_segment_alone():
+  """Chunked (no initial states) and token-serial (per-segment initial states) packed runs against each segment
+  run alone, q̃ and the per-segment final states; the chunked packed gradients against the token-serial ones."""
+  args = _problem(6, T=40, state=False)
+  ids = _packed_ids()
+  x, H = _run(args, segment_ids=ids, implementation="xla", chunk_size=16)
+  assert H.shape == (len(_SEGS), 4, 16, 16)
+  x0 = jnp.asarray(np.random.default_rng(0).standard_normal((len(_SEGS), 4, 16, 16)))
+  H0 = 0.2 * jnp.einsum("nhij,nhkj->nhik", x0, x0) / 16
+  x_r, H_r = _run(dict(args, initial_state=H0), segment_ids=ids, implementation="reference")
+  for n, (b, s, e) in enumerate(_SEGS):
+    alone = {name: (a[b:b + 1, s:e] if name in ("q", "k", "beta", "log_decay") else a) for name, a in args.items()}
+    x1, H1 = _run(alone, implementation="reference")
+    assert rel_rms(x[b, s:e], x1[0]) < 1e-10 and rel_rms(H[n], H1[0]) < 1e-10, n
+    x1, H1 = _run(dict(alone, initial_state=H0[n:n + 1]), implementation="reference")
+    assert rel_rms(x_r[b, s:e], x1[0]) < 1e-12 and rel_rms(H_r[n], H1[0]) < 1e-12, n
+  (_, _), g = _grads(args, segment_ids=ids, implementation="xla", chunk_size=16)
+  (_, _), g_r = _grads(args, segment_ids=ids, implementation="reference")
+  for n in g:
+    assert rel_rms(g[n], g_r[n]) < 1e-9, n
+  traced, none = jax.jit(lambda ids: _run(args, segment_ids=ids, implementation="xla", chunk_size=16))(ids)
+  assert none is None and rel_rms(traced, x) < 1e-12
+
+
 def test_bf16_inputs_with_extreme_gates_stay_finite_and_match_the_oracle():
   """bf16 q and k, log-decays −1e3 and 0, β = 0 and 1, zero keys and a zero query: q̃, H_T and every gradient are
   finite, and q̃ matches the fp64 oracle fed the bf16 values at the bf16 tolerance."""
@@ -167,7 +202,11 @@ BAD = [
     (dict(solver="exact", implementation="xla"), "`solver`='exact' runs only with implementation 'reference'"),
     (dict(implementation="pallas"), "has no kernel"),
     (dict(implementation="fast"), "`implementation` must be one of"),
-    (dict(segment_ids=jnp.zeros((2, 5), jnp.int32)), "`segment_ids`"),
+    (dict(segment_ids=jnp.zeros((2, 4), jnp.int32)), "`segment_ids` must be of shape \\[B, T\\]"),
+    (dict(segment_ids=jnp.zeros((2, 5), jnp.int32), initial_state=jnp.zeros((2, 4, 8, 8))),
+     "packed rows \\(`segment_ids`\\) with an `initial_state` run only with implementation 'reference'"),
+    (dict(segment_ids=jnp.zeros((2, 5), jnp.int32), initial_state=jnp.zeros((3, 4, 8, 8)), implementation="reference"),
+     "`initial_state` must be of shape \\[N, HV, K, K\\] = \\(2, 4, 8, 8\\)"),
 ]
 
 
