@@ -44,7 +44,7 @@ from jax import lax
 
 from osdn_jax.dgps import checks
 from osdn_jax.ops import checks as ops_checks
-from osdn_jax.ops import common, dispatch, packing
+from osdn_jax.ops import common, dispatch, faults, packing
 
 _HI = lax.Precision.HIGHEST
 SOLVERS = ("cg", "exact")
@@ -281,18 +281,26 @@ def mesa_query(q, k, beta=None, log_decay=None, *, lam, initial_state=None, cg_s
   ct = common.compute_dtype(jnp.result_type(q, k))
   b, t, h, kd = q.shape
   cast = lambda x: jnp.asarray(x, ct)
-  qe, ke = (common.expand_heads(cast(x), hv, 2) for x in (q, k))
-  beta = jnp.ones((b, t, hv), ct) if beta is None else cast(beta)
-  g = jnp.zeros((b, t, hv), ct) if log_decay is None else jnp.maximum(cast(log_decay), common.LOG_DECAY_FLOOR)
+  arrays = dict(q=cast(q), k=cast(k), beta=jnp.ones((b, t, hv), ct) if beta is None else cast(beta),
+                log_decay=None if log_decay is None else jnp.maximum(cast(log_decay), common.LOG_DECAY_FLOOR),
+                initial_state=None if initial_state is None else cast(initial_state))
   lam = jnp.broadcast_to(cast(lam), (hv, kd))
-  H0 = None if initial_state is None else cast(initial_state)
   packed = None if segment_ids is None else _Packing(packing.segment_starts(segment_ids),
                                                      packing.segment_index(segment_ids), rows)
+
+  def run(a, segment_ids=None):
+    qe, ke = (common.expand_heads(a[n], hv, 2) for n in ("q", "k"))
+    g = jnp.zeros((b, t, hv), ct) if a["log_decay"] is None else a["log_decay"]
+    if impl == "reference":
+      return _reference(qe, ke, a["beta"], g, lam, a["initial_state"], solver=solver, steps=cg_steps,
+                        tol=float(cg_tol), packed=packed)
+    return _chunked(qe, ke, a["beta"], g, lam, a["initial_state"], steps=cg_steps, tol=float(cg_tol),
+                    chunk=chunk_size, packed=packed)
+
   if impl == "reference":
-    x, H_T = _reference(qe, ke, beta, g, lam, H0, solver=solver, steps=cg_steps, tol=float(cg_tol), packed=packed)
-  else:
-    x, H_T = _chunked(qe, ke, beta, g, lam, H0, steps=cg_steps, tol=float(cg_tol), chunk=chunk_size,
-                      packed=packed)
+    x, H_T = run(arrays)
+  else:   # a chunk's tokens meet in matmuls: non-finite inputs are zeroed and NaN put where the oracle has it
+    x, H_T = faults.careful(run, dict(arrays, v=jnp.zeros((b, t, hv, 1), ct)), segment_ids)
   return x.astype(q.dtype), H_T
 
 

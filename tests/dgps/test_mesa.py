@@ -1,6 +1,11 @@
 """MesaNet's query preconditioner (`osdn_jax.dgps.mesa`): the chunked CG against the token-serial oracle, CG against
 the exact solve, chaining through the K×K state, bf16 inputs with extreme gates, and bad arguments."""
 import functools
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -238,3 +243,53 @@ def test_a_per_channel_decay_is_refused_when_the_point_runs():
   x = jnp.ones((1, 3, 2, 8))
   with pytest.raises(ValueError, match="per-channel decay"):
     point(x, x, x, f, params)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+def test_a_nonfinite_key_stays_in_its_sequence_from_its_token_on(implementation):
+  """A NaN key at token 20 of row 0 (inside a chunk): row 0's q̃ before it and all of row 1 keep their clean values;
+  in the value heads that read it, row 0's q̃ from token 20 on and its final state hold NaN (every entry in the
+  chunked form, at least one in the oracle's)."""
+  args = _problem(7, T=40, state=False)
+  clean, H = _run(args, implementation=implementation, chunk_size=16)
+  bad = dict(args, k=args["k"].at[0, 20, 1, 3].set(jnp.nan))
+  x, H_bad = _run(bad, implementation=implementation, chunk_size=16)
+  np.testing.assert_array_equal(np.asarray(x[0, :20]), np.asarray(clean[0, :20]))
+  np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(clean[1]))
+  assert bool(jnp.all(jnp.any(jnp.isnan(x[0, 20:, 2:]), axis=-1)))
+  assert bool(jnp.all(jnp.any(jnp.isnan(H_bad[0, 2:]), axis=(-2, -1))))
+  assert bool(jnp.all(jnp.isfinite(x[0, 20:, :2])))                          # value heads 0, 1 read key head 0
+  np.testing.assert_array_equal(np.asarray(H_bad[1]), np.asarray(H[1]))
+
+
+_SPLIT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    from osdn_jax import dgps
+    from osdn_jax.testing import random_point_inputs, rel_rms
+    point, dims = dgps.get("mesa"), dgps.Dims(2, 2, 8, 4)
+    q, k, v, feats, params = random_point_inputs(point, dims, 0, B=2, T=32)
+    whole, fin = jax.jit(lambda q, k, v, f: point(q, k, v, f, params, output_final_state=True, chunk_size=16))(
+        q, k, v, feats)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("context",))
+    tok = P(None, "context")
+    body = lambda q, k, v, f: point(q, k, v, f, params, output_final_state=True, chunk_size=16, context="context")
+    specs = (tok, tok, tok, jax.tree.map(lambda _: tok, feats))
+    split, sfin = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()), check_vma=False))(
+        q, k, v, feats)
+    print("errors", rel_rms(split, whole), rel_rms(sfin["S"], fin["S"]), rel_rms(sfin["precond"], fin["precond"]))
+""")
+
+
+def test_the_point_splits_over_context_shards(tmp_path):
+  """Context parallelism on two host devices: the K×K state carried "diagonal" gives the unsplit outputs and states."""
+  (tmp_path / "split.py").write_text(_SPLIT)
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+  out = subprocess.run([sys.executable, str(tmp_path / "split.py")], capture_output=True, text=True, cwd=repo,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  errors = [float(x) for x in out.stdout.split("errors")[1].split()]
+  assert len(errors) == 3 and max(errors) < 1e-5, errors
