@@ -10,8 +10,8 @@ The offline solve then reads o_t = S_tᵀ(scale · q̃_t) with S_t = e^{g_t} S_{
 the decayed, gained squared error Σ_i (decay) β_i ‖Wᵀk_i − v_i‖² + ‖Λ^{1/2} W‖² applied to q_t.
 
 The system (H_t + Λ) x = q_t is solved by conjugate gradients (CG), `cg_steps` iterations from the Jacobi start
-x_0 = q_t / (diag(H_t) + λ); a token stops iterating once its residual satisfies ‖r‖ ≤ cg_tol · ‖q_t‖ (it keeps its
-iterate, so every iteration count is a static loop and nothing divides by a vanished residual). The solve is
+x_0 = q_t / (diag(H_t) + λ); a token stops iterating once its residual satisfies ‖r‖ ≤ cg_tol · ‖q_t‖ and keeps its
+iterate (the loop has a static length, and nothing divides by a vanished residual or curvature). The solve is
 differentiated implicitly (`jax.lax.custom_linear_solve`): the backward solves (H_t + Λ) y = ∂q̃_t by the same CG,
 and the gradient reaching H_t, k, β, g, Λ and H_0 is that of the exact inverse at the returned iterate
 (∂H_t = −y xᵀ, ∂Λ = −y ⊙ x, ∂q_t = y). It therefore equals the exact solve's gradient to the CG's accuracy, and
@@ -28,7 +28,7 @@ the pallas values raise):
 Shapes: q, k [B, T, H, K] (expanded to the HV heads of the gates); beta None (β = 1) or [B, T, HV]; log_decay
 None or [B, T, HV] (a per-channel decay leaves H_t unsymmetric and is refused); lam [HV, K] (or broadcastable),
 positive; initial_state None or [B, HV, K, K]; segment_ids None or [B, T] (packed rows: states [N, HV, K, K] per
-segment, `mesa_query`). Returns (q̃ [B, T, HV, K] in q.dtype, H_T [B, HV, K, K] in the
+segment, `mesa_query`). Returns (q̃ [B, T, HV, K] in q.dtype, H_T [B, HV, K, K] ([N, HV, K, K] packed) in the
 compute dtype: fp32, fp64 for fp64 inputs). Log-decays are floored at −30 (docs/design.md §2).
 """
 from __future__ import annotations

@@ -293,3 +293,30 @@ def test_the_point_splits_over_context_shards(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   errors = [float(x) for x in out.stdout.split("errors")[1].split()]
   assert len(errors) == 3 and max(errors) < 1e-5, errors
+
+
+def test_a_bf16_model_with_packed_rows_has_finite_loss_and_gradients():
+  """mesa-tiny in bf16 on packed rows (as the trainer feeds it), with a large forget-gate bias (decays near 1, H_t
+  large) and the smallest λ: the loss and every parameter gradient are finite, and the gradients are not zero."""
+  from flax import nnx
+
+  from osdn_jax import layers, models
+  model = models.build("mesa-tiny", rngs=nnx.Rngs(0), dtype=jnp.bfloat16, num_layers=1)
+  mixers = [node for _, node in nnx.iter_graph(model) if isinstance(node, layers.DGPSMixer)]
+  assert mixers
+  for mixer in mixers:
+    proj = mixer.features["decay"]["a"].proj
+    proj.bias[...] = jnp.full_like(proj.bias[...], 8.0)
+    raw = mixer.point_params["precond"]["lam_raw"]
+    raw[...] = jnp.full_like(raw[...], -20.0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 96)), jnp.int32)
+  ids = jnp.asarray(np.repeat(np.array([[0, 1, 2], [3, 4, 5]]), [40, 50, 6], axis=1), jnp.int32)
+
+  def loss(model):
+    logits = model(tokens, segment_ids=ids).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1))
+
+  value, grads = jax.jit(nnx.value_and_grad(loss))(model)
+  leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+  assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+  assert float(sum(jnp.sum(jnp.abs(g)) for g in leaves)) > 0
