@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osdn_jax import ops
-from osdn_jax.dgps import precond
+from osdn_jax.dgps import mesa, precond
 from osdn_jax.ops import packing
 
 SHAPES = {"main": (4, 4096, 16, 128), "long": (1, 32768, 8, 128), "small": (2, 1024, 4, 64),
@@ -140,7 +140,8 @@ def _component_inputs(names):
   """Inputs of a component op, `names` of one draw: random segment cuts (SEGMENTS per row), unit q, k; write
   keys kw = unit ⊙ e^{0.3 clip(N, ±1)}; v ~ N(0, 1); β = σ(N); log-decays g (per head), gc (per channel)
   logσ(N + 4); PDN/ATQ gates βᴾ = σ(N), gᴾ = logσ(N + 4); retention r = σ(N + 3); per-segment states
-  S0 ~ N(0, 1/K), d0 ∈ [0.5, 1.5); A0 ∈ [0, 1); per-head centres c ∈ [−0.5, 0.3]."""
+  S0 ~ N(0, 1/K), d0 ∈ [0.5, 1.5); A0 ∈ [0, 1); per-head centres c ∈ [−0.5, 0.3]; MesaNet's λ = 0.25 + softplus(N)
+  [H, K] and key Gram H0 = X Xᵀ / (5K) [B, H, K, K], X ~ N(0, 1)."""
   def inputs(shape, seed=0):
     b, t, h, d = shape
     rng = np.random.default_rng(seed)
@@ -155,6 +156,10 @@ def _component_inputs(names):
              r=_sig(rng.normal(size=(b, t, h)) + 3), S0=rng.normal(size=(n, h, d, d)) / np.sqrt(d),
              d0=0.5 + rng.random(size=(n, h, d)), A0=rng.random(size=(b, h, d)), center=np.linspace(-0.5, 0.3, h),
              segment_ids=ids)
+    if "H0" in names:
+      gram = rng.normal(size=(b, h, d, d))
+      x.update(lam=0.25 + np.log1p(np.exp(rng.normal(size=(h, d)))),
+               H0=np.einsum("bhij,bhkj->bhik", gram, gram) / (5 * d))
     return _f32({k: x[k] for k in names})
   return inputs
 
@@ -242,6 +247,14 @@ def _offline(impl, variant):
   def f(x):
     return ops.linear_attention(x["q"], x["k"], x["v"], beta=x["beta"], log_decay=x["gc"], output_final_state=True,
                                 implementation=impl, kernel_config=_config(variant, "delta_rule"))
+  return f
+
+
+def _mesa_query(impl, variant):
+  del variant
+  def f(x):
+    return mesa.mesa_query(x["q"], x["k"], x["beta"], x["g"], lam=x["lam"], initial_state=x["H0"],
+                           implementation=impl)
   return f
 
 
@@ -368,6 +381,10 @@ OPS = {op.name: op for op in (
     _component("d_pass_r1", "precond.osdn_d_pass without retention (r ≡ 1, vanilla OSDN), clip [0, 8] (fp32)",
                ("u", "n", "beta", "d1", "d_init"), (), ("ds", "d_last"), _d_pass, families=("osdn",),
                reference_max_t=None, inputs=_d_pass_inputs(False)),
+    # MesaNet's pass has no kernel: reference and xla only.
+    dataclasses.replace(_component("mesa_query", "dgps.mesa.mesa_query: (H_t + Λ)⁻¹ q_t by 30 CG steps, per-head "
+                                   "decay, initial state", ("q", "k", "beta", "g", "lam", "H0"), ("q", "k"),
+                                   ("q_tilde", "H_T"), _mesa_query), impls=("reference", "xla")),
     _component("osdn_packed", "precond.osdn_write_key packed: APF retention, per-segment initial d, clip [0, 8]",
                ("k", "beta", "r", "d0", "segment_ids"), ("k",), ("k_write", "d_last"), _osdn_packed,
                families=("osdn",), reference_max_t=None),

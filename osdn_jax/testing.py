@@ -121,7 +121,8 @@ def assert_close_to_oracles(got: dict, want64: dict, want32: dict, tol: float) -
 # Registry points that between them take every value of every DGPS axis (decay, gain, preconditioner, solve):
 # `make test` runs these where a test would run every point; CI's slow step runs the others
 # (tests/dgps/test_points.py checks the cover).
-COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "longhorn", "nlms")
+COVERING_POINTS = ("kda", "pgdn", "osdn", "osdn-apf-kda", "dn-fixed-d", "retnet", "pmamba2", "mesa", "longhorn",
+                   "nlms")
 
 
 def every_point(names):

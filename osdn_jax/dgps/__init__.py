@@ -9,7 +9,7 @@
 from osdn_jax.dgps import decay, gain, precond, solve
 from osdn_jax.dgps.conformance import check_point
 from osdn_jax.dgps.registry import (AXES, POINTS, Axis, Context, Dims, Feature, Point, Solve, State, compose, get,
-                                    has_osdn_pass, names, register, register_axis)
+                                    has_mesa_pass, has_osdn_pass, names, register, register_axis)
 
 __all__ = ["AXES", "POINTS", "Axis", "Context", "Dims", "Feature", "Point", "Solve", "State", "check_point", "compose", "decay",
-           "gain", "get", "has_osdn_pass", "names", "precond", "register", "register_axis", "solve"]
+           "gain", "get", "has_mesa_pass", "has_osdn_pass", "names", "precond", "register", "register_axis", "solve"]

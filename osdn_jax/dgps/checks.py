@@ -10,6 +10,7 @@ The ranges (docs/design.md §1.4):
   OSDN    eta ≥ 0, d_min ≤ d_max (either None: unbounded), d_init finite (in [d_min, d_max] for a point),
           guard None or > 0, apf_anchor "zero" | "init", apf_bias None or finite
   fixed   d_init > 0 (d = exp(log_d)), guard None or > 0
+  MesaNet 0 < lam_min < lam_init, cg_steps an int ≥ 1, cg_tol ≥ 0
 """
 from __future__ import annotations
 
@@ -140,6 +141,18 @@ def osdn(owner: str, *, eta, d_init, d_min, d_max, guard, apf_anchor, apf_bias=N
 def fixed(owner: str, *, d_init, guard) -> None:
   number(owner, "d_init", d_init, low=0.0, low_open=True, scalar=False)
   guard_option(owner, guard)
+
+
+def mesa(owner: str, *, lam_min, lam_init, cg_steps, cg_tol) -> None:
+  """MesaNet's options: 0 < lam_min < lam_init (λ = softplus(raw) + lam_min starts at lam_init), cg_steps an
+  int ≥ 1, cg_tol ≥ 0 (a static number: it decides when a token stops iterating)."""
+  lo = number(owner, "lam_min", lam_min, low=0.0, low_open=True)
+  init = number(owner, "lam_init", lam_init, low=0.0, low_open=True)
+  if lo is not None and init is not None and init <= lo:
+    raise ValueError(f"{owner}: `lam_init` ({_fmt(lam_init)}) must be > `lam_min` ({_fmt(lam_min)})")
+  positive_int(owner, "cg_steps", cg_steps)
+  if number(owner, "cg_tol", cg_tol, low=0.0) is None:
+    raise ValueError(f"{owner}: `cg_tol` must be a number (static: it decides when a token stops), got {cg_tol!r}")
 
 
 def dims(owner: str, **sizes) -> None:

@@ -40,7 +40,7 @@ def _worst(a, b) -> float:
 def random_inputs(point: Point, dims: Dims, seed: int, *, batch: int = 2, length: int = 37, dtype=None):
   """(q, k, v, features, params, state): random projected inputs as a fresh layer would give them (features
   N(0, 1) plus their projection's initial bias), the point's initial parameters, and a random initial state
-  (the preconditioner's a positive perturbation of its initial value)."""
+  (the preconditioner's a positive perturbation of its initial value: entrywise, or X Xᵀ for a matrix state)."""
   dtype = dtype or (jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
   rng = np.random.default_rng(seed)
   f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
@@ -50,8 +50,13 @@ def random_inputs(point: Point, dims: Dims, seed: int, *, batch: int = 2, length
               for w, fs in point.features().items()}
   params = jax.tree.map(lambda a: jnp.asarray(a, dtype), point.init_params(jax.random.key(seed), dims))
   s0 = point.initial_state(batch, dims, dtype)
-  state = {"S": 0.3 * f(*s0["S"].shape),
-           "precond": None if s0["precond"] is None else s0["precond"] + 0.2 * jnp.abs(f(*s0["precond"].shape))}
+  p0 = s0["precond"]
+  if p0 is not None and point.axis("precond").state.matrix:   # a K×K state: a symmetric positive perturbation
+    x = f(*p0.shape)
+    p0 = p0 + 0.2 * jnp.einsum("...ij,...kj->...ik", x, x) / dims.key_dim
+  elif p0 is not None:
+    p0 = p0 + 0.2 * jnp.abs(f(*p0.shape))
+  state = {"S": 0.3 * f(*s0["S"].shape), "precond": p0}
   return q, k, v, features, params, state
 
 

@@ -4,6 +4,7 @@
 * channel (KDA, GLA): the same form per key channel, a [B, T, HV, K] (a low-rank projection), A_log [HV],
   dt_bias [HV, K].
 * constant (RetNet): a fixed per-head decay log(1 − 2^(−5−h)).
+* sigmoid (MesaNet's forget gate): g = log σ(a), a = W_a x + b_a [B, T, HV].
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def gate(a, A_log, dt_bias):
   if a.ndim == 4 and A_log.ndim == 1:
     A_log = A_log[:, None]
   return -jnp.exp(A_log) * jax.nn.softplus(a + dt_bias)
+
+
+def log_sigmoid(a):
+  """g = log σ(a) = −softplus(−a), a [B, T, HV]: the decay factor e^g = σ(a) (MesaNet's forget gate)."""
+  return jax.nn.log_sigmoid(a)
 
 
 def retnet(batch: int, length: int, heads: int, dtype=jnp.float32):

@@ -31,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from osdn_jax.dgps import checks
 from osdn_jax.dgps import decay as decay_fns
 from osdn_jax.dgps import gain as gain_fns
+from osdn_jax.dgps import mesa as mesa_fns
 from osdn_jax.dgps import precond as precond_fns
 from osdn_jax.dgps import solve as solve_fns
 from osdn_jax.ops import context as context_ops
@@ -74,11 +75,11 @@ def _resolve(symbols: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, .
 class Context:
   """What an axis value's `apply` receives: q, k [B, T, H, K] (l2-normalised when the point normalises them),
   v [B, T, HV, V], its own features {name: [B, T, ...]} and parameters {name: array} (the shapes it declared), the
-  point's options (every axis's, plus "solve": the solve's name), the gain β [B, T, HV] (for the preconditioner;
-  None for an offline solve without a gain), its carried state (a stateful preconditioner: [B, G, K], or
-  [N, G, K] per segment when `segment_ids` [B, T] packs several sequences into a row; None: start from
-  `State.init`), the implementation its pass should run (one of `ops.dispatch.IMPLEMENTATIONS`), and what the
-  point's solve reads (`Solve.reads`)."""
+  point's options (every axis's, plus "solve": the solve's name), the gain β [B, T, HV] and the log-decay (None,
+  [B, T, HV] or [B, T, HV, K]) for the preconditioner (β None for an offline solve without a gain), its carried
+  state (a stateful preconditioner: [B, G, K] or [B, G, K, K] (`State.matrix`), or [N, ...] per segment when
+  `segment_ids` [B, T] packs several sequences into a row; None: start from `State.init`), the implementation its
+  pass should run (one of `ops.dispatch.IMPLEMENTATIONS`), and what the point's solve reads (`Solve.reads`)."""
   q: Any
   k: Any
   v: Any
@@ -87,6 +88,7 @@ class Context:
   options: Mapping[str, Any]
   beta: Any = None
   state: Any = None          # the preconditioner's carried state, if any ([N, G, K] per segment when packed)
+  log_decay: Any = None      # the decay axis's log-decay, for the preconditioner (None: no decay)
   implementation: str = "auto"   # of the preconditioner's pass: one of `ops.dispatch.IMPLEMENTATIONS`
   segment_ids: Any = None    # [B, T] packed sequences (`osdn_jax.ops.packing`)
   reads: tuple[str, ...] = ()    # what the point's solve reads: ("k_write",) online, ("q_tilde",) offline
@@ -94,10 +96,12 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class State:
-  """The state a preconditioner carries from token to token: one K-vector per head of each sequence.
+  """The state a preconditioner carries from token to token: one K-vector (matrix: a K×K matrix) per head of each
+  sequence.
 
   heads: "H" (one per key head) or "HV" (one per value head), so the state is [B, heads, K] ([N, heads, K], one
-  per segment, when packed). init(options): the value every entry of a fresh state holds. carry: how the state
+  per segment, when packed), or [B, heads, K, K] with matrix=True. init(options): the value every entry of a fresh
+  state holds. carry: how the state
   entering each shard of a context-parallel run is formed (`osdn_jax.ops.context`): "diagonal" when the pass is
   affine and diagonal in its entering state (final = a ⊙ entering + b per channel; the shards' maps are
   composed), "rerun" when each shard runs again from the state the previous shard ends with (a ring), None when
@@ -106,12 +110,22 @@ class State:
   heads: str = "H"
   init: Callable[[Mapping[str, Any]], float] = lambda options: 0.0
   carry: str | None = None
+  matrix: bool = False
+
+  def shape(self, rows: int | None, heads: int, key_dim: int) -> tuple:
+    """The state's shape for `rows` sequences of `heads` heads: (rows, heads, K) or (rows, heads, K, K)."""
+    return (rows, heads, key_dim) + ((key_dim,) if self.matrix else ())
+
+  def layout(self, lead: str) -> str:
+    return f"[{lead}, {self.heads}, K{', K' if self.matrix else ''}]"
 
   def __post_init__(self):
     if self.heads not in ("H", "HV"):
       raise ValueError(f"dgps.State: `heads` must be 'H' or 'HV', got {self.heads!r}")
     if self.carry not in CARRIES:
       raise ValueError(f"dgps.State: `carry` must be one of {CARRIES}, got {self.carry!r}")
+    if not isinstance(self.matrix, (bool, np.bool_)):
+      raise ValueError(f"dgps.State: `matrix` must be a bool, got {self.matrix!r}")
 
 
 CARRIES = ("diagonal", "rerun", None)
@@ -191,6 +205,8 @@ DECAYS = {
                     params={"A_log": ("HV",), "dt_bias": ("HV", "K")}, sets=_DECAY,
                     doc="a data-dependent decay per key channel (KDA's, GLA's)"),
     "constant": Axis(lambda c: decay_fns.retnet(*_shape3(c)), sets=_DECAY, doc="RetNet's fixed decay per head"),
+    "sigmoid": Axis(lambda c: decay_fns.log_sigmoid(c.features["a"]), features={"a": Feature(("HV",), bias=0.0)},
+                    sets=_DECAY, doc="MesaNet's forget gate: the decay factor σ(a) per head"),
 }
 
 _GAIN_LOGIT = {"b": Feature(("HV",))}
@@ -263,6 +279,21 @@ def _exact(c: Context):
   return dict(k_write=k_write), None
 
 
+def _mesa(c: Context):
+  o = c.options
+  beta = jnp.ones(_shape3(c), c.k.dtype) if c.beta is None else c.beta
+  q_tilde, H = mesa_fns.mesa_query(c.q, c.k, beta, c.log_decay, lam=mesa_fns.lam_from_param(c.params["lam_raw"],
+                                                                                            o["lam_min"]),
+                                   initial_state=c.state, cg_steps=o["cg_steps"], cg_tol=o["cg_tol"],
+                                   segment_ids=c.segment_ids, implementation=c.implementation)
+  return dict(q_tilde=q_tilde), H
+
+
+def has_mesa_pass(point) -> bool:
+  """Whether `point`'s preconditioner is MesaNet's CG solve on the query, whatever it is registered as."""
+  return point.axis("precond").apply is _mesa
+
+
 def _second_moment_init(key, d: Dims, o):
   params = decay_fns.init_gate(key, (d.heads,))
   params["center"] = jnp.full((d.heads,), o["center_init"], jnp.float32)
@@ -277,6 +308,8 @@ _OSDN_NAMES = (*_OSDN, "apf_bias")
 _CHECK_OSDN = lambda owner, o: checks.osdn(owner, **{n: o[n] for n in _OSDN_NAMES if n in o})
 
 _SECOND_MOMENT = State(heads="H", init=lambda o: 0.0, carry="diagonal")
+_KEY_GRAM = State(heads="HV", init=lambda o: 0.0, carry="diagonal", matrix=True)   # MesaNet's H (e^{Σg} H_0 + N)
+_MESA = dict(lam_min=0.25, lam_init=1.0, cg_steps=mesa_fns.CG_STEPS, cg_tol=mesa_fns.CG_TOL)
 _OSDN_D = State(heads="HV", init=lambda o: o["d_init"], carry="rerun")
 _apf_bias = lambda o: dict(o, apf_bias=_APF_BIAS[o["apf_anchor"]] if o["apf_bias"] is None else o["apf_bias"])
 
@@ -301,6 +334,12 @@ PRECONDS = {
                   defaults=dict(d_init=1.0, guard=2.0), params={"log_d": ("HV", "K")},
                   check=lambda owner, o: checks.fixed(owner, d_init=o["d_init"], guard=o["guard"]),
                   sets=("k_write",), doc="a learned constant write scale per channel (guarded like OSDN's)"),
+    "mesa": Axis(_mesa, init=lambda key, d, o: {"lam_raw": mesa_fns.lam_param_init(
+        (d.value_heads, d.key_dim), o["lam_init"], o["lam_min"])}, defaults=_MESA, params={"lam_raw": ("HV", "K")},
+                 check=lambda owner, o: checks.mesa(owner, **{n: o[n] for n in _MESA}), sets=("q_tilde",),
+                 state=_KEY_GRAM,
+                 doc="MesaNet: (H_t + Λ)⁻¹ applied to the query by conjugate gradients, H_t the decayed, gained key "
+                     "Gram of the solve's own gates"),
     "exact": Axis(_exact, defaults=dict(lam=1.0), check=_LAM, sets=("k_write", "q_tilde"), context_parallel=False,
                   doc="the exact (full-matrix) preconditioner, token-serial: a reference"),
 }
@@ -436,8 +475,9 @@ class Point:
   def check_state(self, state, q, v, *, segment_ids=None, step: bool = False) -> dict:
     """`state` as a dict, checked against q [B, (T,) H, K] and v [B, (T,) HV, V]: None or a mapping (step: one
     holding "S"), whose "precond" is None (step: required for a stateful preconditioner) or the preconditioner's
-    state, of `initial_state`'s shape: [B, H, K] for PDN/ATQ, [B, HV, K] for OSDN (rows N when packed: state["S"]'s
-    leading axis, else counted from concrete ids), and None for the stateless preconditioners."""
+    state, of `initial_state`'s shape: [B, H, K] for PDN/ATQ, [B, HV, K] for OSDN, [B, HV, K, K] for MesaNet (rows N
+    when packed: state["S"]'s leading axis, else counted from concrete ids), and None for the stateless
+    preconditioners."""
     owner = f"DGPS point {self.name!r}"
     if state is None and not step:
       return {}
@@ -460,18 +500,18 @@ class Point:
       S = state.get("S")
       rows, lead = (np.shape(S)[0] if S is not None and np.ndim(S) else
                     precond_fns.num_segments(segment_ids, None)), "N"
-    heads = self.axis("precond").state.heads
-    g = h if heads == "H" else hv
-    layout = f"[{lead}, {heads}, K]"
+    st = self.axis("precond").state
+    want = st.shape(rows, h if st.heads == "H" else hv, kd)
+    layout = st.layout(lead)
     if p is None:
       if step:
         raise ValueError(f"{owner}: `state[\"precond\"]` must be the preconditioner's state {layout} = "
-                         f"{(rows, g, kd)} (`Point.initial_state`), got None")
+                         f"{want} (`Point.initial_state`), got None")
       return dict(state)
     shape = tuple(np.shape(p))
-    if len(shape) != 3 or shape[1:] != (g, kd) or (rows is not None and shape[0] != rows):
+    if len(shape) != len(want) or shape[1:] != want[1:] or (rows is not None and shape[0] != rows):
       raise ValueError(f"{owner}: `state[\"precond\"]` must be the preconditioner's state of shape {layout} = "
-                       f"{(rows, g, kd)}, got shape {shape}")
+                       f"{want}, got shape {shape}")
     if not jnp.issubdtype(jnp.result_type(p), jnp.floating):
       raise ValueError(f"{owner}: `state[\"precond\"]` must be a floating array, got dtype {jnp.result_type(p)}")
     return dict(state)
@@ -504,13 +544,14 @@ class Point:
 
   def initial_state(self, batch: int, dims: Dims, dtype=jnp.float32) -> dict:
     """The state a fresh sequence starts from: {"S": zeros [B, HV, K, V], "precond": zeros [B, H, K] for the
-    second-moment preconditioners, d_init [B, HV, K] for OSDN, None for the stateless ones}."""
+    second-moment preconditioners, d_init [B, HV, K] for OSDN, zeros [B, HV, K, K] for MesaNet, None for the
+    stateless ones}."""
     S = jnp.zeros((batch, dims.value_heads, dims.key_dim, dims.value_dim), dtype)
     st = self.axis("precond").state
     if st is None:
       return {"S": S, "precond": None}
     heads = dims.heads if st.heads == "H" else dims.value_heads
-    return {"S": S, "precond": jnp.full((batch, heads, dims.key_dim), st.init(self.opts), dtype)}
+    return {"S": S, "precond": jnp.full(st.shape(batch, heads, dims.key_dim), st.init(self.opts), dtype)}
 
   def prepare(self, q, k, v, features, params, *, precond_state=None, implementation="auto",
               segment_ids=None) -> dict:
@@ -526,7 +567,8 @@ class Point:
                                   reads=self.axis("solve").reads, **kw)
     log_decay = self.axis("decay").apply(ctx("decay"))
     beta = self.axis("gain").apply(ctx("gain"))
-    written, p_state = self.axis("precond").apply(ctx("precond", beta=beta, state=precond_state))
+    written, p_state = self.axis("precond").apply(ctx("precond", beta=beta, log_decay=log_decay,
+                                                      state=precond_state))
     reads = self.axis("solve").reads
     if set(written) - set(reads):
       raise ValueError(f"DGPS point {self.name!r}: precond {self.axis_name('precond')!r} returned "
@@ -557,15 +599,15 @@ class Point:
     else:
       rows = precond_fns.num_segments(segment_ids, None)
     g = np.shape(q)[2] if st.heads == "H" else np.shape(v)[2]
-    layout = f"[{'B' if segment_ids is None else 'N'}, {st.heads}, K]"
+    layout = st.layout("B" if segment_ids is None else "N")
+    want = st.shape(rows, g, np.shape(q)[3])
     if p_state is None:
       if rows is None:
         return
-      raise ValueError(f"{owner} declares a state {layout} = {(rows, g, np.shape(q)[3])} but returned None; "
+      raise ValueError(f"{owner} declares a state {layout} = {want} but returned None; "
                        "`apply` returns (its outputs, the state after the last token)")
-    want = (rows, g, np.shape(q)[3])
     shape = tuple(np.shape(p_state))
-    if len(shape) != 3 or shape[1:] != want[1:] or (rows is not None and shape[0] != rows):
+    if len(shape) != len(want) or shape[1:] != want[1:] or (rows is not None and shape[0] != rows):
       packed = "" if segment_ids is None else " (one per packed segment: `apply` receives `segment_ids`)"
       raise ValueError(f"{owner} returned a state of shape {shape}, but its declaration (`State.heads` "
                        f"{st.heads!r}) makes it {layout} = {want}{packed}")
@@ -677,6 +719,8 @@ _KDA = "Kimi Delta Attention (Kimi Linear, Moonshot AI, 2025)"
 _PDN = "Preconditioned DeltaNet (arXiv 2604.21100): diagonal second-moment preconditioner on the write key"
 _OSDN = "Online Scaled DeltaNet (arXiv 2605.13473): write scale learned online by hypergradient descent"
 _APF = _OSDN[:-1] + ", with adaptive preconditioner forgetting (APF)"
+_MESANET = ("MesaNet (von Oswald et al., 2025, 'MesaNet: Sequence Modeling by Locally Optimal Test-Time Training'): "
+            "linear attention read with (H_t + Λ)⁻¹ q_t, solved by conjugate gradients")
 _ATQ = "apply-to-query preconditioned form (arXiv 2604.21100, Theorem 3.1's diagonal approximation)"
 
 POINTS = {p.name: p for p in [
@@ -702,6 +746,7 @@ POINTS = {p.name: p for p in [
     Point("pla", "none", "one", "atq", "offline", doc="Preconditioned linear attention: " + _ATQ),
     Point("pmamba2", "scalar", "one", "atq", "offline", doc="Preconditioned Mamba-2: " + _ATQ),
     Point("pgla", "channel", "one", "atq", "offline", doc="Preconditioned GLA: " + _ATQ),
+    Point("mesa", "sigmoid", "sigmoid", "mesa", "offline", doc=_MESANET),
     Point("longhorn", "none", "longhorn", "identity", "online", normalize_qk=False,
           doc="Longhorn (Liu et al., 2024): the implicit online-regression step β/(1 + β‖k‖²), raw keys"),
     Point("nlms", "none", "nlms", "identity", "online", normalize_qk=False,

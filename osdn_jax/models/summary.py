@@ -7,6 +7,8 @@ prefill, for the state). FLOPs count a multiply-add as 2; the recurrence is the 
 (docs/design.md §2) per value head and token with the chunk C = min(chunk_size, context):
   online  6·K·V (W S, Q S, state update) + 2·C·(3K + 2V) (A, Q K̃ᵀ, T·βK, T·V, scores·V_new) + C²/3 (T)
   offline 4·K·V (Q S, Kᵀ V) + 2·C·(K + V) (Q Kᵀ, scores·V)
+  MesaNet's pass adds 2·K² (the K×K state) + 2·C·K (diag H_t) + (n + 1)·(2·K² + 4·C·K) (n CG iterations and the
+  first residual: H_in p, P Kᵀ, scores·K)
 The O(K) preconditioner passes, norms and element-wise gates are left out (< 1%).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from osdn_jax import dgps
 from osdn_jax.layers import DGPSMixer
 from osdn_jax.models.config import ModelConfig, config
 from osdn_jax.models.lm import param_shapes
@@ -106,6 +109,8 @@ def _recurrence_flops(cfg: ModelConfig, context_length: int) -> float:
     per_head = 6 * k * v + 2 * c * (3 * k + 2 * v) + c * c / 3
   else:
     per_head = 4 * k * v + 2 * c * (k + v)
+  if dgps.has_mesa_pass(cfg.point):
+    per_head += 2 * k * k + 2 * c * k + (cfg.point.opts["cg_steps"] + 1) * (2 * k * k + 4 * c * k)
   return per_head * d.value_heads * cfg.num_layers
 
 

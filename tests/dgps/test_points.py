@@ -200,7 +200,7 @@ def test_every_point_runs_and_matches_its_serial_composition(name):
 def test_registry_keys_and_errors():
   assert {"dn", "gdn", "kda", "pdn", "pgdn", "pkda", "osdn", "osdn-gdn", "osdn-kda", "osdn-apf",
           "osdn-apf-gdn", "osdn-apf-kda", "dn-fixed-d", "la", "retnet", "mamba2", "gla", "pla", "pmamba2",
-          "pgla", "longhorn", "nlms"} == set(dgps.names())
+          "pgla", "mesa", "longhorn", "nlms"} == set(dgps.names())
   assert all(dgps.get(n).doc for n in dgps.names())
   assert dgps.get("PGDN").precond == "pdn" and dict(dgps.get("pgdn", x=2.0).options)["x"] == 2.0
   point = dgps.compose(decay="channel", precond="osdn-apf", apf_anchor="init")

@@ -43,12 +43,12 @@ def _decode(m, cache, xs):
   return jnp.moveaxis(ys, 0, 1), cache
 
 
-# Every axis value the named points use (decays none/scalar/channel/constant, gains σ/1/Longhorn/NLMS,
-# preconditioners identity/PDN/ATQ/OSDN/APF/fixed, both solves), with grouped value heads. Every point also
+# Every axis value the named points use (decays none/scalar/channel/constant/sigmoid, gains σ/1/Longhorn/NLMS,
+# preconditioners identity/PDN/ATQ/OSDN/APF/fixed/MesaNet, both solves), with grouped value heads. Every point also
 # trains in test_models; the sensitivity of this check: a 10% error in S or 1.5× in the preconditioner's state
 # gives a relative error of 1e-2 to 2e-1, against ~3e-7 measured.
 DECODE_POINTS = ["dn", "gdn", "kda", "retnet", "gla", "longhorn", "nlms", "pgdn", "pkda", "pmamba2", "osdn",
-                 "osdn-apf-kda", "dn-fixed-d"]
+                 "osdn-apf-kda", "dn-fixed-d", "mesa"]
 
 
 def test_decode_points_cover_every_axis_value_of_the_named_points():
