@@ -83,7 +83,7 @@ def load_fla(directory, **overrides) -> models.LanguageModel:
 
 def model_params(model: models.LanguageModel) -> dict:
   """A model's parameters as a tree of numpy arrays (the layout `read_fla` returns)."""
-  return jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def write_fla(cfg: models.ModelConfig, params: dict, directory, *, dtype: str = "float32",

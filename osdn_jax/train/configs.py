@@ -48,8 +48,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from osdn_jax import dgps
-from osdn_jax.models import config as models_config
-from osdn_jax.models.config import REMAT_POLICIES, config as model_config
+from osdn_jax.models.config import REMAT_POLICIES, config as model_config, structure_fields
 from osdn_jax.ops import dispatch
 from osdn_jax.train import mesh as mesh_lib
 
@@ -185,7 +184,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   except ValueError as e:
     raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
   try:
-    model_config(c.model, **models_config.structure_fields(c.get("model_fields", {})))
+    model_config(c.model, **structure_fields(c.get("model_fields", {})))
   except ValueError as e:
     raise ValueError(f"train config: `model_fields` of {c.model!r}: {e}") from None
   options = dgps.checks.option_mapping("train config", c.point_options)

@@ -17,7 +17,7 @@ CONFIGS = {
 
 
 def config(point: str, **overrides) -> models.ModelConfig:
-  return models.ModelConfig(variant=point, **dict(COMMON, **CONFIGS[point], **overrides))
+  return models.ModelConfig(variant=point, **{**COMMON, **CONFIGS[point], **overrides})
 
 
 def model(point: str, seed: int = 0, **overrides):

@@ -1,0 +1,46 @@
+"""A converted FLA checkpoint is a run: `train.load`, `osdn_jax.eval` and `models.generate` read it, and its
+checkpoint goes back out to FLA unchanged; the command line does both ways."""
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from osdn_jax import convert, eval as eval_lib, models
+from osdn_jax.train import loop
+from tests.convert import helpers
+
+
+def test_run_loads_evaluates_generates_and_goes_back(tmp_path):
+  model = helpers.model("pkda")
+  convert.save_fla(model, tmp_path / "fla")
+  convert.fla_to_run(tmp_path / "fla", tmp_path / "run", seq_len=16, batch_size=2)
+  loaded, config = loop.load(tmp_path / "run")
+  tokens = jnp.array([[1, 2, 3, 4, 5]])
+  np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+  out, _ = models.generate(loaded, tokens, 4)
+  want, _ = models.generate(model, tokens, 4)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  result = eval_lib.evaluate(tmp_path / "run", batches=1)
+  assert result["step"] == 0 and np.isfinite(result["eval_loss"])
+  convert.run_to_fla(tmp_path / "run", tmp_path / "back")
+  cfg, params = convert.read_fla(tmp_path / "back")
+  assert all(np.array_equal(a, b) for a, b in zip(*(
+      [np.asarray(x) for x in __import__("jax").tree.leaves(p)] for p in (convert.model_params(model), params))))
+
+
+def test_command_line(tmp_path):
+  convert.save_fla(helpers.model("dn"), tmp_path / "fla")
+  run = lambda *args: subprocess.run([sys.executable, "-m", "osdn_jax.convert", *args], capture_output=True,
+                                     text=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+  done = run(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}", "--seq_len=16")
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout.splitlines()[-1])["point"] == "dn"
+  done = run(f"--workdir={tmp_path / 'run'}", f"--to_fla={tmp_path / 'back'}")
+  assert done.returncode == 0, done.stderr
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "delta_net"
+  again = run(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}")
+  assert again.returncode == 1 and again.stderr.startswith("error: convert:") and "already holds a run" in again.stderr
+  both = run(f"--fla={tmp_path / 'fla'}", f"--to_fla={tmp_path / 'x'}", f"--workdir={tmp_path / 'run'}")
+  assert both.returncode == 2 and "exactly one of --fla" in both.stderr
