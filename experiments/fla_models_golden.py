@@ -1,8 +1,8 @@
 """Golden files from FLA's language models for CI: small random models of each family FLA has and `osdn_jax.convert`
 reads, saved as FLA saves them, with their logits on fixed token ids and one decoding step.
 
-Needs torch, FLA (with its transformers and einops), numpy and safetensors on a GPU; imports nothing of osdn-jax,
-so it runs wherever FLA runs. Writes, per family, tests/fixtures/fla_models/<family>/:
+Needs torch, FLA (fla-core and flash-linear-attention 0.6.0, with einops and transformers ≥ 5.6.2), numpy and
+safetensors on a GPU; imports nothing of osdn-jax, so it runs wherever FLA runs. Writes, per family, tests/fixtures/fla_models/<family>/:
 
   config.json, model.safetensors   save_pretrained's output (fp32 weights)
   golden.npz                       tokens [B, T]; logits_fp32, logits_bf16 [B, T, vocab] (the model in fp32, then cast
@@ -56,7 +56,8 @@ KEEP_INIT = ("A_log", "dt_bias", "A_log_atk", "dt_bias_atk", "log_atk_scale")
 def randomise(model, seed: int) -> None:
   """New random values for every parameter, so that no mapping error hides behind a constant: matrices N(0, 1/fan_in)
   (conv filters N(0, 1/4), the embedding N(0, 1)), vectors (norm weights) 1 + N(0, 0.1²), biases N(0, 0.1²), and
-  the gates' A_log, dt_bias and PDN's center FLA's initial values + N(0, 0.1²)."""
+  the gates' A_log, dt_bias and PDN's center FLA's initial values + N(0, 0.1²). Every value is rounded to bf16
+  (and kept in fp32), so the bf16 model holds exactly the fp32 model's weights."""
   import torch
   g = torch.Generator().manual_seed(seed)
   with torch.no_grad():
@@ -74,7 +75,7 @@ def randomise(model, seed: int) -> None:
         value = noise
       else:
         value = noise / p.shape[-1] ** 0.5
-      p.copy_(value.to(p.device, p.dtype))
+      p.copy_(value.to(torch.bfloat16).to(p.device, p.dtype))
 
 
 def _np(t):
@@ -117,9 +118,12 @@ def run_family(family: str, out: str) -> dict:
   try:
     for layer in range(config.num_hidden_layers):
       state = cache[layer]
-      golden[f"S_{layer}"] = _np(state["recurrent_state"])
-      if state.get("A_state") is not None:
-        golden[f"A_{layer}"] = _np(state["A_state"])
+      S, A = state["recurrent_state"], state.get("A_state")
+      if isinstance(S, (tuple, list)):   # FLA 0.6's preconditioned layers: (recurrent state, second moment)
+        S, A = S
+      golden[f"S_{layer}"] = _np(S)
+      if A is not None:
+        golden[f"A_{layer}"] = _np(A)
     with torch.no_grad():
       step = model(input_ids=torch.tensor(step_token[:, None], device="cuda"), past_key_values=cache, use_cache=True)
     golden["step_logits"] = _np(step.logits[:, -1])

@@ -32,6 +32,20 @@ from osdn_jax.convert import fla_config, fla_tensors, safetensors_io
 from osdn_jax.convert.fla_config import FAMILIES, Unsupported
 
 CONFIG = "config.json"
+TRAIN_CONFIG = "train_config.py"
+# The trainer's --config for a converted run: the run's own config.json (the trainer's --config flag cannot add
+# `model_fields`), so that `python -m osdn_jax.train --config=RUN/train_config.py --workdir=RUN` resumes it.
+_TRAIN_CONFIG_TEXT = '''"""This run's config for the trainer: python -m osdn_jax.train --config=<this file> --workdir=<this directory>
+(a converted checkpoint: its config.json, as the conversion wrote it)."""
+import json
+import pathlib
+
+import ml_collections
+
+
+def get_config():
+  return ml_collections.ConfigDict(json.loads((pathlib.Path(__file__).parent / "config.json").read_text()))
+'''
 
 __all__ = ["FAMILIES", "Unsupported", "fla_to_run", "load_fla", "model_params", "read_fla", "run_to_fla",
            "save_fla", "write_fla"]
@@ -120,7 +134,9 @@ def fla_to_run(fla_dir, workdir, *, data=None, seq_len: int = 2048, dtype: str =
   data: None (the run's data is random tokens of the model's vocabulary; evaluate with `eval --data=DIR`), or a
   directory of prepared token shards (`python -m osdn_jax.data.prepare` with the checkpoint's tokenizer; its
   vocabulary must be the model's): then `eval` and the harness read it and its tokenizer. dtype: the run's compute
-  dtype. The optimiser state is fresh (step 0). FileExistsError when `workdir` already holds a run."""
+  dtype. The optimiser state is fresh (step 0). `workdir`/train_config.py is the run's config for the trainer
+  (`python -m osdn_jax.train --config=RUN/train_config.py --workdir=RUN --config.steps=N` trains on from it).
+  FileExistsError when `workdir` already holds a run."""
   from osdn_jax.data import make_pipeline
   from osdn_jax.train import configs, loop, optim
   from osdn_jax.train.checkpoints import Checkpoints
@@ -159,6 +175,7 @@ def fla_to_run(fla_dir, workdir, *, data=None, seq_len: int = 2048, dtype: str =
            "rng": jax.random.key_data(jax.random.key(c.seed))}
   workdir.mkdir(parents=True, exist_ok=True)
   loop._record_config(workdir, c, 0)   # config.json and its history, as a trainer's start
+  (workdir / TRAIN_CONFIG).write_text(_TRAIN_CONFIG_TEXT)
   ckpt = Checkpoints((workdir / "checkpoints").absolute(), keep=c.keep_checkpoints, async_save=False)
   try:
     ckpt.save(0, state, data_state)

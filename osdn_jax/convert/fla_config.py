@@ -61,10 +61,11 @@ COMMON = ("hidden_size", "num_hidden_layers", "vocab_size", "norm_eps", "conv_si
           "intermediate_size", "tie_word_embeddings", "initializer_range")
 MAPPED = {
     "delta_net": COMMON + ("num_heads", "expand_k", "expand_v", "use_gate", "use_output_norm"),
-    "gated_deltanet": COMMON + ("num_heads", "num_v_heads", "head_dim", "expand_v", "use_gate"),
+    "gated_deltanet": COMMON + ("num_heads", "num_v_heads", "head_dim", "expand_v", "use_gate",
+                                "output_gate_activation"),
     "kda": COMMON + ("num_heads", "num_v_heads", "head_dim", "expand_v"),
 }
-MAPPED["precond_gated_deltanet"] = MAPPED["gated_deltanet"] + ("squash_x", "squash_eps", "log_atk_scale_init")
+MAPPED["precond_gated_deltanet"] = MAPPED["gated_deltanet"][:-1] + ("squash_x", "squash_eps", "log_atk_scale_init")
 MAPPED["precond_kda"] = MAPPED["kda"] + ("squash_x", "squash_eps", "log_atk_scale_init")
 
 # FLA's defaults of the fields a config.json may leave out (its classes' __init__ defaults).
@@ -73,12 +74,14 @@ DEFAULTS = {
                       hidden_ratio=4, intermediate_size=None, tie_word_embeddings=False, use_output_norm=True),
     "gated_deltanet": dict(expand_v=2.0, use_gate=True, head_dim=256, num_heads=6, num_v_heads=None,
                            norm_eps=1e-6, conv_size=4, hidden_ratio=4, intermediate_size=None,
-                           tie_word_embeddings=False),
+                           tie_word_embeddings=False, output_gate_activation="swish"),
     "kda": dict(expand_v=1.0, head_dim=128, num_heads=16, num_v_heads=None, norm_eps=1e-6, conv_size=4,
                 hidden_ratio=4, intermediate_size=None, tie_word_embeddings=False),
 }
 DEFAULTS["precond_gated_deltanet"] = dict(DEFAULTS["gated_deltanet"], squash_x=1.5, squash_eps=1e-6,
                                           log_atk_scale_init=-0.2)
+# FLA's gate activations (GDN's `output_gate_activation`; the others' gates are swish): silu is swish.
+GATE_ACTIVATIONS = {"swish": "swish", "silu": "swish", "sigmoid": "sigmoid"}
 DEFAULTS["precond_kda"] = dict(DEFAULTS["kda"], squash_x=1.5, squash_eps=1e-6, log_atk_scale_init=-0.2)
 
 
@@ -110,11 +113,11 @@ def _mlp_hidden(d_model: int, hidden_ratio, intermediate_size) -> int:
 
 
 def _int_ratio(owner: str, name: str, base: int, ratio) -> int:
-  """int(base · ratio) as FLA computes it, refused when it is not an integer (FLA's own check)."""
+  """base · ratio rounded, as FLA computes it, refused when it is not an integer (FLA's own check)."""
   value = base * ratio
   if not math.isclose(value, round(value), rel_tol=1e-5):
     raise Unsupported(f"{owner}: `{name}` = {ratio!r} gives a non-integer size {value} from {base}")
-  return int(value)
+  return round(value)
 
 
 def from_fla(config: dict) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -160,8 +163,12 @@ def from_fla(config: dict) -> tuple[str, dict[str, Any], dict[str, Any]]:
   if family in KDA_LIKE:
     fields.update(output_gate=True, output_gate_activation="sigmoid", output_gate_rank=v, gate_rank=v)
   else:
-    gated = bool(c["use_gate"])
-    fields.update(output_gate=gated, output_gate_activation="swish", output_gate_rank=None)
+    activation = c.get("output_gate_activation", "swish")
+    if activation not in GATE_ACTIVATIONS:
+      raise Unsupported(f"{owner}: config field `output_gate_activation` = {activation!r} is not supported (one of "
+                        f"{', '.join(GATE_ACTIVATIONS)})")
+    fields.update(output_gate=bool(c["use_gate"]), output_gate_activation=GATE_ACTIVATIONS[activation],
+                  output_gate_rank=None)
   options = {}
   if family in PRECONDITIONED:
     options = dict(x=float(c["squash_x"]), eps=float(c["squash_eps"]), center_init=float(c["log_atk_scale_init"]))
@@ -197,10 +204,15 @@ def to_fla(cfg: models.ModelConfig) -> dict[str, Any]:
       raise Unsupported(f"{owner}: FLA's {FAMILIES[family][1]} projects its decay through rank V = {d.value_dim}; "
                         f"this model's `gate_rank` is {cfg.gate_rank}")
     out.update(safe_gate=False, lower_bound=None)
-  elif gated and (cfg.output_gate_activation != "swish" or cfg.output_gate_rank is not None):
-    raise Unsupported(f"{owner}: FLA's {FAMILIES[family][1]} gates its output with swish of a full-rank "
-                      f"projection without bias (`output_gate_activation` 'swish', `output_gate_rank` None); this "
-                      f"model has {cfg.output_gate_activation!r}, {cfg.output_gate_rank}")
+  elif gated:
+    activations = ("swish", "sigmoid") if family == "gated_deltanet" else ("swish",)
+    if cfg.output_gate_activation not in activations or cfg.output_gate_rank is not None:
+      raise Unsupported(f"{owner}: FLA's {FAMILIES[family][1]} gates its output with {' or '.join(activations)} of "
+                        f"a full-rank projection without bias (`output_gate_activation` in {activations}, "
+                        f"`output_gate_rank` None); this model has {cfg.output_gate_activation!r}, "
+                        f"{cfg.output_gate_rank}")
+    if family == "gated_deltanet":
+      out.update(output_gate_activation=cfg.output_gate_activation)
   if family == "delta_net":
     if d.value_heads != d.heads:
       raise Unsupported(f"{owner}: FLA's DeltaNetForCausalLM has no grouped value heads; `num_value_heads` "
@@ -226,7 +238,7 @@ def to_fla(cfg: models.ModelConfig) -> dict[str, Any]:
 def _ratio(owner: str, name: str, width: int, base: int) -> float:
   """width / base as FLA's float expansion, refused when FLA's int(base · ratio) would not give width back."""
   ratio = width / base
-  if int(base * ratio) != width:
+  if int(base * ratio) != width or round(base * ratio) != width:   # FLA's int(·) before 0.6, round(·) since
     raise Unsupported(f"{owner}: `{name}` gives a width {width} that FLA's expansion ratio of {base} cannot "
                       "express exactly")
   return ratio

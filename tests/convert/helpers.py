@@ -6,7 +6,7 @@ from osdn_jax import models
 COMMON = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, head_dim=8, mlp_hidden=64, norm_eps=1e-5)
 CONFIGS = {
     "dn": dict(value_head_dim=16, output_gate=True, output_gate_activation="swish", tie_embeddings=False),
-    "gdn": dict(num_value_heads=4, value_head_dim=16, output_gate=True, output_gate_activation="swish",
+    "gdn": dict(num_value_heads=4, value_head_dim=16, output_gate=True, output_gate_activation="sigmoid",
                 tie_embeddings=False),
     "kda": dict(num_value_heads=4, value_head_dim=16, output_gate=True, output_gate_rank=16, gate_rank=16,
                 tie_embeddings=True),

@@ -60,6 +60,7 @@ def test_untied_head_in_a_tied_config(tmp_path):
     ("attnres_block_size", 2, r"`attnres_block_size` = 2 is not supported"),
     ("attn", {"layers": [1], "num_heads": 2}, r"`attn` = .* hybrid attention"),
     ("hidden_act", "powlu", r"`hidden_act` = 'powlu'"),
+    ("output_gate_activation", "relu", r"`output_gate_activation` = 'relu'"),
     ("qk_rope", True, r"config field\(s\) 'qk_rope' unknown"),
 ])
 def test_config_fields(gdn_dir, field, value, message):
@@ -97,6 +98,7 @@ def test_no_safetensors(gdn_dir):
 @pytest.mark.parametrize("point, overrides, message", [
     ("osdn", {}, r"point 'osdn' has no FLA model"),
     ("dn", dict(output_gate_activation="sigmoid"), r"swish of a full-rank projection"),
+    ("gdn", dict(output_gate_rank=8), r"swish or sigmoid of a full-rank projection"),
     ("dn", dict(num_value_heads=4), r"no grouped value heads"),
     ("kda", dict(output_gate_rank=None), r"σ of a rank-V projection"),
     ("kda", dict(gate_rank=8), r"rank V = 16; this model's `gate_rank` is 8"),
