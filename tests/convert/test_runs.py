@@ -6,6 +6,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from osdn_jax import convert, eval as eval_lib, models
 from osdn_jax.train import loop
@@ -30,17 +31,24 @@ def test_run_loads_evaluates_generates_and_goes_back(tmp_path):
       [np.asarray(x) for x in __import__("jax").tree.leaves(p)] for p in (convert.model_params(model), params))))
 
 
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "osdn_jax.convert", *args], capture_output=True, text=True,
+                        env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+
+
+@pytest.mark.slow
 def test_command_line(tmp_path):
   convert.save_fla(helpers.model("dn"), tmp_path / "fla")
-  run = lambda *args: subprocess.run([sys.executable, "-m", "osdn_jax.convert", *args], capture_output=True,
-                                     text=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
-  done = run(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}", "--seq_len=16")
+  done = _cli(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}", "--seq_len=16")
   assert done.returncode == 0, done.stderr
   assert json.loads(done.stdout.splitlines()[-1])["point"] == "dn"
-  done = run(f"--workdir={tmp_path / 'run'}", f"--to_fla={tmp_path / 'back'}")
+  done = _cli(f"--workdir={tmp_path / 'run'}", f"--to_fla={tmp_path / 'back'}")
   assert done.returncode == 0, done.stderr
   assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "delta_net"
-  again = run(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}")
+  again = _cli(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}")
   assert again.returncode == 1 and again.stderr.startswith("error: convert:") and "already holds a run" in again.stderr
-  both = run(f"--fla={tmp_path / 'fla'}", f"--to_fla={tmp_path / 'x'}", f"--workdir={tmp_path / 'run'}")
-  assert both.returncode == 2 and "exactly one of --fla" in both.stderr
+
+
+def test_command_line_usage(tmp_path):
+  both = _cli(f"--fla={tmp_path / 'fla'}", f"--to_fla={tmp_path / 'x'}", f"--workdir={tmp_path / 'run'}")
+  assert both.returncode == 2 and both.stderr.startswith("error: ") and "exactly one of --fla" in both.stderr

@@ -32,7 +32,7 @@ def test_untied_head_gives_the_logits_and_the_loss():
 def test_output_gate(activation, act):
   cfg = models.config("gdn-tiny", output_gate=True, output_gate_activation=activation, output_gate_rank=8)
   mixer = DGPSMixer(cfg.mixer, rngs=nnx.Rngs(0))
-  mixer.g_proj.proj.bias.value = jax.random.normal(jax.random.key(2), (64,))   # the bias is read, not just 0
+  mixer.g_proj.proj.bias[...] = jax.random.normal(jax.random.key(2), (64,))   # the bias is read, not just 0
   x = jax.random.normal(jax.random.key(0), (2, 5, 64))
   o = jax.random.normal(jax.random.key(1), (2, 5, 2, 32))
   g_proj = mixer.g_proj
