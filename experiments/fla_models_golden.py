@@ -2,7 +2,8 @@
 reads, saved as FLA saves them, with their logits on fixed token ids and one decoding step.
 
 Needs torch, FLA (fla-core and flash-linear-attention 0.6.0, with einops and transformers ≥ 5.6.2), numpy and
-safetensors on a GPU; imports nothing of osdn-jax, so it runs wherever FLA runs. Writes, per family, tests/fixtures/fla_models/<family>/:
+safetensors on a GPU; imports nothing of osdn-jax, so it runs wherever FLA runs. Writes, per family,
+tests/fixtures/fla_models/<family>/:
 
   config.json, model.safetensors   save_pretrained's output (fp32 weights)
   golden.npz                       tokens [B, T]; logits_fp32, logits_bf16 [B, T, vocab] (the model in fp32, then cast

@@ -35,8 +35,8 @@ CONFIG = "config.json"
 TRAIN_CONFIG = "train_config.py"
 # The trainer's --config for a converted run: the run's own config.json (the trainer's --config flag cannot add
 # `model_fields`), so that `python -m osdn_jax.train --config=RUN/train_config.py --workdir=RUN` resumes it.
-_TRAIN_CONFIG_TEXT = '''"""This run's config for the trainer: python -m osdn_jax.train --config=<this file> --workdir=<this directory>
-(a converted checkpoint: its config.json, as the conversion wrote it)."""
+_TRAIN_CONFIG_TEXT = '''"""This run's config for the trainer (a converted checkpoint: its config.json, as the conversion wrote it):
+python -m osdn_jax.train --config=<this file> --workdir=<this directory>"""
 import json
 import pathlib
 

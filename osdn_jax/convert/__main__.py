@@ -27,6 +27,8 @@ def main(argv):
                          "--to_fla=DIR (--workdir's checkpoint out to FLA)")
   from osdn_jax import convert, models
   from osdn_jax.train import loop
+  from osdn_jax.train.checkpoints import quiet_checkpoint_logs
+  quiet_checkpoint_logs()
   if f.fla:
     if f.dtype not in ("float32", "bfloat16"):
       raise cli.UsageError(f"--dtype={f.dtype}: the run's compute dtype is float32 or bfloat16")

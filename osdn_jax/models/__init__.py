@@ -12,6 +12,6 @@ from osdn_jax.models.decoding import DecodeState, generate, prefill, sample, ste
 from osdn_jax.models.lm import Block, Cache, LanguageModel, build, count_params, param_shapes
 from osdn_jax.models.summary import Summary, param_counts, state_bytes, summary
 
-__all__ = ["SIZES", "STRUCTURE_FIELDS", "Block", "Cache", "DecodeState", "LanguageModel", "ModelConfig", "Summary", "build",
-           "config", "count_params", "generate", "names", "param_counts", "param_shapes", "prefill", "sample",
+__all__ = ["SIZES", "STRUCTURE_FIELDS", "Block", "Cache", "DecodeState", "LanguageModel", "ModelConfig", "Summary",
+           "build", "config", "count_params", "generate", "names", "param_counts", "param_shapes", "prefill", "sample",
            "state_bytes", "step", "structure_fields", "summary"]
