@@ -35,7 +35,7 @@ CONFIG = "config.json"
 TRAIN_CONFIG = "train_config.py"
 # The trainer's --config for a converted run: the run's own config.json (the trainer's --config flag cannot add
 # `model_fields`), so that `python -m osdn_jax.train --config=RUN/train_config.py --workdir=RUN` resumes it.
-_TRAIN_CONFIG_TEXT = '''"""This run's config for the trainer (a converted checkpoint: its config.json, as the conversion wrote it):
+_TRAIN_CONFIG_TEXT = '''"""This run's config for the trainer (a converted checkpoint: its config.json, as converted):
 python -m osdn_jax.train --config=<this file> --workdir=<this directory>"""
 import json
 import pathlib
@@ -47,7 +47,7 @@ def get_config():
   return ml_collections.ConfigDict(json.loads((pathlib.Path(__file__).parent / "config.json").read_text()))
 '''
 
-__all__ = ["FAMILIES", "Unsupported", "fla_to_run", "load_fla", "model_params", "read_fla", "run_to_fla",
+__all__ = ["FAMILIES", "Unsupported", "build", "fla_to_run", "load_fla", "model_params", "read_fla", "run_to_fla",
            "save_fla", "write_fla"]
 
 
@@ -126,17 +126,19 @@ def save_fla(model: models.LanguageModel, directory, **kwargs) -> pathlib.Path:
   return write_fla(model.cfg, model_params(model), directory, **kwargs)
 
 
-def fla_to_run(fla_dir, workdir, *, data=None, seq_len: int = 2048, dtype: str = "float32",
-               batch_size: int = 8) -> pathlib.Path:
+def fla_to_run(fla_dir, workdir, *, data=None, config: str = "340m", seq_len: int | None = None,
+               batch_size: int | None = None, dtype: str | None = None) -> pathlib.Path:
   """A trainer's work directory holding the FLA checkpoint as its step-0 checkpoint (`train.load`,
   `osdn_jax.eval`, `osdn_jax.harness` and the trainer read it).
 
-  data: None (the run's data is random tokens of the model's vocabulary; evaluate with `eval --data=DIR`), or a
-  directory of prepared token shards (`python -m osdn_jax.data.prepare` with the checkpoint's tokenizer; its
-  vocabulary must be the model's): then `eval` and the harness read it and its tokenizer. dtype: the run's compute
-  dtype. The optimiser state is fresh (step 0). `workdir`/train_config.py is the run's config for the trainer
-  (`python -m osdn_jax.train --config=RUN/train_config.py --workdir=RUN --config.steps=N` trains on from it).
-  FileExistsError when `workdir` already holds a run."""
+  config: the named training config the run's settings start from (`train.configs.CONFIGS`: optimiser, remat,
+  cadence); seq_len, batch_size, dtype (the compute dtype, float32 | bfloat16): that config's unless given. data:
+  None (the run's data is random tokens of the model's vocabulary; evaluate with `eval --data=DIR`), or a directory
+  of prepared token shards (`python -m osdn_jax.data.prepare` with the checkpoint's tokenizer; its vocabulary must
+  be the model's): then `eval`, the harness and the trainer read it and its tokenizer. The optimiser state is fresh
+  (step 0). `workdir`/train_config.py is the run's config for the trainer (`python -m osdn_jax.train
+  --config=RUN/train_config.py --workdir=RUN --config.steps=N` trains on from it; a resume changes only the run's
+  length and cadence, so choose the rest here). FileExistsError when `workdir` already holds a run."""
   from osdn_jax.data import make_pipeline
   from osdn_jax.train import configs, loop, optim
   from osdn_jax.train.checkpoints import Checkpoints
@@ -145,14 +147,14 @@ def fla_to_run(fla_dir, workdir, *, data=None, seq_len: int = 2048, dtype: str =
   workdir = pathlib.Path(workdir)
   if (workdir / loop.CONFIG).exists() or (workdir / "checkpoints").exists():
     raise FileExistsError(f"convert: {workdir} already holds a run; name a new work directory")
-  c = configs.base()
+  c = configs.get_config(config)
   c.model = f"{cfg.variant}-tiny"
   c.model_fields = {f: getattr(cfg, f) for f in models.STRUCTURE_FIELDS}
   c.point_options = dict(cfg.point_options)
-  c.dtype = dtype
-  c.seq_len = seq_len
-  c.batch_size = batch_size
-  c.remat = "none"
+  for name, value in (("dtype", dtype), ("seq_len", seq_len), ("batch_size", batch_size)):
+    if value is not None:
+      c[name] = value
+  c.data = configs.base().data
   c.data.prefetch = 0
   if data is None:
     c.data.source, c.data.vocab_size = "random", cfg.vocab_size
@@ -167,7 +169,8 @@ def fla_to_run(fla_dir, workdir, *, data=None, seq_len: int = 2048, dtype: str =
     data_state = pipeline.get_state()
   finally:
     pipeline.close()
-  if loop.model_config(c, cfg.vocab_size).replace(name=cfg.name) != cfg.replace(dtype=jnp.dtype(dtype)):
+  structure = lambda m: {f: getattr(m, f) for f in ("variant", "vocab_size", "point_options", *models.STRUCTURE_FIELDS)}
+  if structure(loop.model_config(c, cfg.vocab_size)) != structure(cfg):
     raise AssertionError("convert: the run's model config differs from the checkpoint's")
   tx = optim.make(c.optimizer, c.steps)
   tree = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)

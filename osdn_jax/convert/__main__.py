@@ -1,6 +1,7 @@
 """`python -m osdn_jax.convert`: FLA / Hugging Face checkpoints into a work directory, and a run's checkpoint out.
 
-    python -m osdn_jax.convert --fla=DIR --workdir=RUN [--data=TOKENS] [--seq_len=2048] [--dtype=float32]
+    python -m osdn_jax.convert --fla=DIR --workdir=RUN [--data=TOKENS] [--config=340m] [--seq_len=N]
+        [--batch_size=N] [--dtype=float32|bfloat16]
     python -m osdn_jax.convert --workdir=RUN --to_fla=DIR [--step=S] [--dtype=float32] [--max_shard_mb=N]
 
 The first reads DIR (config.json + safetensors of DeltaNetForCausalLM, GatedDeltaNetForCausalLM, KDAForCausalLM,
@@ -29,15 +30,16 @@ def main(argv):
   from osdn_jax.train import loop
   from osdn_jax.train.checkpoints import quiet_checkpoint_logs
   quiet_checkpoint_logs()
+  if f.dtype not in (None, "float32", "bfloat16"):
+    raise cli.UsageError(f"--dtype={f.dtype}: float32 or bfloat16")
   if f.fla:
-    if f.dtype not in ("float32", "bfloat16"):
-      raise cli.UsageError(f"--dtype={f.dtype}: the run's compute dtype is float32 or bfloat16")
-    convert.fla_to_run(f.fla, f.workdir, data=f.data or None, seq_len=f.seq_len, dtype=f.dtype)
+    convert.fla_to_run(f.fla, f.workdir, data=f.data or None, config=f.config, seq_len=f.seq_len,
+                       batch_size=f.batch_size, dtype=f.dtype)
     model, _ = loop.load(f.workdir)
     source, target = f.fla, f.workdir
   else:
     model, _, _ = loop.load_checkpoint(f.workdir, step=f.step)
-    convert.save_fla(model, f.to_fla, dtype=f.dtype,
+    convert.save_fla(model, f.to_fla, dtype=f.dtype or "float32",
                      max_shard_bytes=None if f.max_shard_mb is None else f.max_shard_mb << 20)
     source, target = f.workdir, f.to_fla
   print(json.dumps({"from": str(source), "to": str(target), "point": model.cfg.variant,
@@ -50,9 +52,12 @@ def _define_flags() -> None:
   flags.DEFINE_string("to_fla", "", "a directory to write --workdir's checkpoint into, as an FLA checkpoint")
   flags.DEFINE_string("workdir", None, "the run's work directory (written with --fla, read with --to_fla)")
   flags.DEFINE_string("data", "", "with --fla: prepared token shards (the checkpoint's tokenizer) as the run's data")
-  flags.DEFINE_integer("seq_len", 2048, "with --fla: the run's tokens per row", lower_bound=1)
-  flags.DEFINE_string("dtype", "float32", "with --fla: the run's compute dtype; with --to_fla: the tensors' "
-                      "(float32 | bfloat16)")
+  flags.DEFINE_string("config", "340m", "with --fla: the named training config the run's settings start from "
+                      "(tiny, 340m, 1.3b, mqar)")
+  flags.DEFINE_integer("seq_len", None, "with --fla: the run's tokens per row (default: --config's)", lower_bound=1)
+  flags.DEFINE_integer("batch_size", None, "with --fla: the run's rows per step (default: --config's)", lower_bound=1)
+  flags.DEFINE_string("dtype", None, "with --fla: the run's compute dtype (default: --config's); with --to_fla: "
+                      "the tensors' (default float32); float32 | bfloat16")
   flags.DEFINE_integer("step", None, "with --to_fla: the checkpoint's step (default: the newest)", lower_bound=0)
   flags.DEFINE_integer("max_shard_mb", None, "with --to_fla: shard the safetensors above this size",
                        lower_bound=1)

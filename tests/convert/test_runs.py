@@ -16,7 +16,7 @@ from tests.convert import helpers
 def test_run_loads_evaluates_generates_and_goes_back(tmp_path):
   model = helpers.model("pkda")
   convert.save_fla(model, tmp_path / "fla")
-  convert.fla_to_run(tmp_path / "fla", tmp_path / "run", seq_len=16, batch_size=2)
+  convert.fla_to_run(tmp_path / "fla", tmp_path / "run", seq_len=16, batch_size=2, dtype="float32")
   loaded, config = loop.load(tmp_path / "run")
   tokens = jnp.array([[1, 2, 3, 4, 5]])
   np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
@@ -39,7 +39,7 @@ def _cli(*args):
 @pytest.mark.slow
 def test_command_line(tmp_path):
   convert.save_fla(helpers.model("dn"), tmp_path / "fla")
-  done = _cli(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}", "--seq_len=16")
+  done = _cli(f"--fla={tmp_path / 'fla'}", f"--workdir={tmp_path / 'run'}", "--config=tiny", "--seq_len=16")
   assert done.returncode == 0, done.stderr
   assert json.loads(done.stdout.splitlines()[-1])["point"] == "dn"
   done = _cli(f"--workdir={tmp_path / 'run'}", f"--to_fla={tmp_path / 'back'}")
