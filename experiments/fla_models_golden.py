@@ -93,7 +93,12 @@ def run_family(family: str, out: str) -> dict:
   randomise(model, SEED)
   directory = os.path.join(out, family)
   os.makedirs(directory, exist_ok=True)
-  model.save_pretrained(directory, safe_serialization=True)
+  try:
+    model.save_pretrained(directory, safe_serialization=True)
+  except TypeError:   # transformers 5 writes safetensors only and has no such argument
+    model.save_pretrained(directory)
+  if not any(name.endswith(".safetensors") for name in os.listdir(directory)):
+    raise RuntimeError(f"{family}: save_pretrained wrote no .safetensors file into {directory}")
   rng = np.random.default_rng(SEED)
   tokens = rng.integers(0, COMMON["vocab_size"], size=(BATCH, LENGTH + 1))
   prefix, step_token = tokens[:, :LENGTH], tokens[:, LENGTH]
