@@ -4,6 +4,8 @@ EXTRAS = {
     "nn": ["flax"],
     "train": ["optax", "orbax-checkpoint", "grain", "absl-py", "ml_collections", "tokenizers", "tensorboardX",
               "tqdm", "matplotlib"],
+    # FLA / Hugging Face checkpoints in and out (`osdn_jax.convert`): safetensors' numpy API, no torch.
+    "convert": ["safetensors"],
     "test": ["pytest", "pytest-xdist", "hypothesis", "chex", "nbclient", "nbformat", "ipykernel"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})

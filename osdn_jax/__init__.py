@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["checking", "data", "dgps", "diagnostics", "layers", "models", "ops", "plugins", "testing", "train"]
+__all__ = ["checking", "convert", "data", "dgps", "diagnostics", "layers", "models", "ops", "plugins", "testing", "train"]
 
 if _TYPE_CHECKING:   # for type checkers and IDEs; at run time `__getattr__` imports them on first access
-  from osdn_jax import checking, data, dgps, diagnostics, layers, models, ops, plugins, testing, train  # noqa: F401
+  from osdn_jax import (checking, convert, data, dgps, diagnostics, layers, models, ops, plugins,  # noqa: F401
+                        testing, train)
 
 
 def __getattr__(name: str):

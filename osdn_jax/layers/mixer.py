@@ -3,7 +3,7 @@
     q, k, v = SiLU(ShortConv(W_q x, W_k x, W_v x))      q, k [B, T, H, K], v [B, T, HV, V]
     features = {axis: {name: W_name x}}                 what the point asks for: β logit, decay, PDN gates, APF r
     o = point(q, k, v, features, point_params)          [B, T, HV, V] (the point L2-normalises q and k itself)
-    y = W_o (RMSNorm_V(o) [⊙ σ(W_g x) for the KDA family])
+    y = W_o (RMSNorm_V(o) [⊙ act(W_g x) when gated: σ for the KDA family by default])
 
 What differs between DN, GDN, KDA, PDN, OSDN, LA, Mamba-2, GLA, ... is the point (its features, parameters and
 solve), never the module.
@@ -75,6 +75,15 @@ def check_options(owner: str, *, output_gate, norm_eps, implementation, **positi
   dispatch.normalize(owner, implementation)
 
 
+GATE_ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "swish": jax.nn.silu}
+
+
+def check_gate_activation(owner: str, activation) -> None:
+  if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
+    raise ValueError(f"{owner}: `output_gate_activation` must be one of {', '.join(GATE_ACTIVATIONS)}, got "
+                     f"{activation!r}")
+
+
 def is_kda_family(point: dgps.Point) -> bool:
   """The online points with a per-channel decay (kda, pkda, osdn-kda, osdn-apf-kda): gated output."""
   return point.channel_decay and point.online
@@ -87,7 +96,9 @@ class MixerConfig:
   point: a `dgps.Point` or a registry name. H = num_heads key heads of size K = head_dim (default D // H);
   HV = num_value_heads (default H, a multiple of H) value heads of size V = value_head_dim (default K).
   conv_size: the short convolution's kernel. gate_rank: the rank of low-rank feature projections (KDA's
-  per-channel decay). output_gate: σ(W_g x) on the normalised output (default: the KDA family only).
+  per-channel decay). output_gate: act(W_g x) on the normalised output (default: the KDA family only), act
+  `output_gate_activation` ("sigmoid": σ(g); "swish": g·σ(g)); output_gate_rank: None (W_g one D × HV·V matrix,
+  no bias) or r (W_g = D → r → HV·V, a bias on the second map: FLA's KDA gate).
   dtype: compute dtype of activations and matmuls; parameters stay fp32, gates and states fp32.
   out_init_scale: the output projection's init std multiplier (e.g. 1/√(2L) in a residual stack).
   norm_eps and out_init_scale are finite and > 0; the point's options are checked when the point is built.
@@ -106,6 +117,8 @@ class MixerConfig:
   implementation: str = "auto"
   dtype: Any = jnp.float32
   out_init_scale: float = 1.0
+  output_gate_activation: str = "sigmoid"
+  output_gate_rank: int | None = None
 
   def __post_init__(self):
     if isinstance(self.point, str):
@@ -117,7 +130,9 @@ class MixerConfig:
       raise ValueError(f"MixerConfig: `point` must be a dgps.Point or a registry name, got {self.point!r}")
     check_heads("MixerConfig", d_model=self.d_model, num_heads=self.num_heads, head_dim=self.head_dim,
                 num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim)
-    positive("MixerConfig", conv_size=self.conv_size, gate_rank=self.gate_rank)
+    positive("MixerConfig", conv_size=self.conv_size, gate_rank=self.gate_rank,
+             output_gate_rank=self.output_gate_rank)
+    check_gate_activation("MixerConfig", self.output_gate_activation)
     if self.chunk_size not in CHUNK_SIZES:
       raise ValueError(f"MixerConfig: `chunk_size` must be one of {CHUNK_SIZES}, got {self.chunk_size!r}")
     check_dtype("MixerConfig", self.dtype)
@@ -177,7 +192,8 @@ class DGPSMixer(nnx.Module):
 
   Parameters: q_proj, k_proj [D, H·K], v_proj [D, HV·V], conv [W, 2·H·K + HV·V], one FeatureProjection per
   feature of the point under features[axis][name], the point's own parameters under point_params[axis][name]
-  (e.g. A_log, dt_bias, PDN's center), o_norm [V], g_proj [D, HV·V] when gated, o_proj [HV·V, D].
+  (e.g. A_log, dt_bias, PDN's center), o_norm [V], g_proj when gated ([D, HV·V], or a FeatureProjection
+  D → r → HV·V with a bias when `output_gate_rank` is r), o_proj [HV·V, D].
   """
 
   def __init__(self, cfg: MixerConfig, *, rngs: nnx.Rngs):
@@ -195,7 +211,11 @@ class DGPSMixer(nnx.Module):
     params = cfg.point.init_params(rngs.params(), dims)
     self.point_params = nnx.data(jax.tree.map(lambda p: nnx.Param(jnp.asarray(p, jnp.float32)), params))
     self.o_norm = RMSNorm(v, eps=cfg.norm_eps)
-    self.g_proj = lin(d, hv * v) if cfg.gated else None
+    if cfg.gated and cfg.output_gate_rank is not None:
+      self.g_proj = FeatureProjection(d, (hv * v,), bias=0.0, low_rank=True, rank=cfg.output_gate_rank,
+                                      dtype=cfg.dtype, rngs=rngs)
+    else:
+      self.g_proj = lin(d, hv * v) if cfg.gated else None
     self.o_proj = lin(hv * v, d, kernel_init=nnx.initializers.variance_scaling(
         cfg.out_init_scale ** 2, "fan_in", "truncated_normal"))
 
@@ -224,10 +244,11 @@ class DGPSMixer(nnx.Module):
     return q, k, v, self._features(x)
 
   def _output(self, o, x):
-    """o [..., HV, V] → head-wise RMSNorm (⊙ σ(W_g x) when gated) → W_o → [..., D]."""
+    """o [..., HV, V] → head-wise RMSNorm (⊙ act(W_g x) when gated) → W_o → [..., D]."""
     y = self.o_norm(o.astype(jnp.float32))
     if self.g_proj is not None:
-      y = y * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32).reshape(o.shape))
+      act = GATE_ACTIVATIONS[self.cfg.output_gate_activation]
+      y = y * act(self.g_proj(x).astype(jnp.float32).reshape(o.shape))
     return self.o_proj(y.reshape(o.shape[:-2] + (-1,)).astype(self.cfg.dtype))
 
   def _solve(self, q, k, v, features, *, segment_ids, state, return_cache, segments_per_row=None):

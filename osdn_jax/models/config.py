@@ -49,14 +49,16 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only LM: embedding (tied with the head), L × [RMSNorm → mixer → +, RMSNorm → SwiGLU → +],
-  final RMSNorm.
+  """A decoder-only LM: embedding (tied with the head unless tie_embeddings is False), L × [RMSNorm → mixer →
+  +, RMSNorm → SwiGLU → +], final RMSNorm.
 
   variant: a DGPS registry point (`osdn_jax.dgps.names()`); point_options override its preconditioner options
   (a mapping or (name, value) pairs, e.g. (("x", 2.0),); range-checked by `dgps.get`). Heads: H = num_heads of
   size head_dim (default D // H); num_value_heads HV (a multiple of H; default H) of size value_head_dim (default
   head_dim). mlp_hidden: default 256·⌈(2/3·4·D)/256⌉.
-  output_gate: default the KDA family only (see `layers.MixerConfig`). dtype: the compute dtype (activations
+  output_gate: default the KDA family only; output_gate_activation ("sigmoid" | "swish") and output_gate_rank
+  (None | r) as `layers.MixerConfig`. tie_embeddings: False gives the model its own output head [vocab, D]
+  (`LanguageModel.head`). dtype: the compute dtype (activations
   and matmuls); parameters are fp32 and the residual stream stays fp32. init_std: the embedding's init std.
   remat: what each block keeps for the backward pass in `LanguageModel.hidden` (`REMAT_POLICIES`).
   scan_layers: the blocks run as one `lax.scan` step compiled once (True), or unrolled (False: no loop, so no
@@ -84,12 +86,19 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   name: str = ""
+  output_gate_activation: str = "sigmoid"
+  output_gate_rank: int | None = None
+  tie_embeddings: bool = True
 
   def __post_init__(self):
     if not isinstance(self.variant, str) or self.variant.lower() not in dgps.POINTS:
       raise ValueError(f"ModelConfig: unknown `variant` {self.variant!r}; known: {', '.join(dgps.names())}")
     mixer_lib.positive("ModelConfig", vocab_size=self.vocab_size, num_layers=self.num_layers,
-                       mlp_hidden=self.mlp_hidden, conv_size=self.conv_size, gate_rank=self.gate_rank)
+                       mlp_hidden=self.mlp_hidden, conv_size=self.conv_size, gate_rank=self.gate_rank,
+                       output_gate_rank=self.output_gate_rank)
+    mixer_lib.check_gate_activation("ModelConfig", self.output_gate_activation)
+    if not isinstance(self.tie_embeddings, bool):
+      raise ValueError(f"ModelConfig: `tie_embeddings` must be a bool, got {self.tie_embeddings!r}")
     if self.chunk_size not in mixer_lib.CHUNK_SIZES:
       raise ValueError(f"ModelConfig: `chunk_size` must be one of {mixer_lib.CHUNK_SIZES}, "
                        f"got {self.chunk_size!r}")
@@ -126,10 +135,27 @@ class ModelConfig:
         num_value_heads=self.num_value_heads, value_head_dim=self.value_head_dim, conv_size=self.conv_size,
         gate_rank=self.gate_rank, output_gate=self.output_gate, norm_eps=self.norm_eps,
         chunk_size=self.chunk_size, implementation=self.implementation, dtype=self.dtype,
-        out_init_scale=(2 * self.num_layers) ** -0.5)
+        out_init_scale=(2 * self.num_layers) ** -0.5, output_gate_activation=self.output_gate_activation,
+        output_gate_rank=self.output_gate_rank)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+
+STRUCTURE_FIELDS = ("d_model", "num_layers", "num_heads", "head_dim", "num_value_heads", "value_head_dim",
+                    "mlp_hidden", "conv_size", "gate_rank", "output_gate", "output_gate_activation",
+                    "output_gate_rank", "tie_embeddings", "norm_eps")
+
+
+def structure_fields(fields) -> dict[str, Any]:
+  """`fields` (a mapping, e.g. a run config's `model_fields`) checked to hold only `STRUCTURE_FIELDS`, the fields
+  that fix a model's parameters beyond its point and size; ValueError naming any other. Returns a dict."""
+  fields = dict(fields or {})
+  unknown = sorted(set(fields) - set(STRUCTURE_FIELDS))
+  if unknown:
+    raise ValueError(f"model_fields: unknown field(s) {', '.join(map(repr, unknown))}; known: "
+                     f"{', '.join(STRUCTURE_FIELDS)}")
+  return fields
 
 
 def names() -> list[str]:

@@ -1,4 +1,4 @@
-"""The decoder-only language model: a stack of pre-norm [DGPS mixer, SwiGLU] blocks with tied embeddings."""
+"""The decoder-only language model: a stack of pre-norm [DGPS mixer, SwiGLU] blocks, tied embeddings by default."""
 from __future__ import annotations
 
 import jax
@@ -63,7 +63,8 @@ class Block(nnx.Module):
 class LanguageModel(nnx.Module):
   """Token ids [B, T] → next-token logits [B, T, vocab] (fp32).
 
-  embed [vocab, D] (init N(0, init_std²)) is also the output head; blocks: L `Block`s stored stacked (every
+  embed [vocab, D] (init N(0, init_std²)) is also the output head, unless `cfg.tie_embeddings` is False: then
+  head [vocab, D] (same init) is (`output_head`); blocks: L `Block`s stored stacked (every
   parameter has a leading layer axis [L, ...]) and applied with `lax.scan`, so a step compiles one block
   whatever L (or unrolled: `ModelConfig.scan_layers`); final_norm [D].
 
@@ -76,6 +77,8 @@ class LanguageModel(nnx.Module):
     self.cfg = cfg
     self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model),
                                                                  jnp.float32))
+    self.head = None if cfg.tie_embeddings else nnx.Param(
+        nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model), jnp.float32))
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -111,13 +114,17 @@ class LanguageModel(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
     return jnp.where(valid[..., None], x, jnp.nan)
 
+  def output_head(self):
+    """The output head [vocab, D]: `embed` when tied, else `head` (logits = hidden · headᵀ)."""
+    return (self.embed if self.head is None else self.head)[...]
+
   def _logits(self, x):
     h = self.final_norm(x)
-    return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype)).astype(jnp.float32)
+    return jnp.einsum("...d,vd->...v", h, self.output_head().astype(h.dtype)).astype(jnp.float32)
 
   def hidden(self, tokens, *, segment_ids=None, segments_per_row=None):
-    """tokens [B, T] → the final-normed hidden states [B, T, D] in the compute dtype (what the tied head reads:
-    logits = hidden · embedᵀ). Blocks run under the config's rematerialisation policy (training).
+    """tokens [B, T] → the final-normed hidden states [B, T, D] in the compute dtype (what the head reads:
+    logits = hidden · `output_head()`ᵀ). Blocks run under the config's rematerialisation policy (training).
     segments_per_row: a static bound on the segments in a row of segment_ids (`DGPSMixer.__call__`)."""
     layer = lambda block, x, _: (block(x, segment_ids=segment_ids, segments_per_row=segments_per_row), None)
     x, _ = self._scan_blocks(layer, self._embed(tokens, where="LanguageModel.hidden"), None, remat=True)

@@ -51,7 +51,8 @@ class Summary:
             f"{'parameters':<34}{'count':>16}{'share':>9}"]
     line = lambda name, n, indent=2: rows.append(f"{' ' * indent}{name:<{32 - indent + 2}}{n:>16,}"
                                                  f"{100 * n / total:>8.1f}%")
-    line("embeddings (tied with the head)", self.params["embeddings"])
+    line("embeddings (tied with the head)" if c.tie_embeddings else "embeddings and head",
+         self.params["embeddings"])
     line("mixers", self.params["mixers"])
     for part, n in self.mixer_parts.items():
       line(part, n, 4)
@@ -88,7 +89,7 @@ def param_counts(model_or_cfg) -> tuple[dict[str, int], dict[str, int]]:
   mixer_parts = {part: 0 for part in dict.fromkeys(_MIXER_PARTS.values())}
   for path, var in _flat(model_or_cfg):
     n = int(var.size)
-    if path[0] == "embed":
+    if path[0] in ("embed", "head"):
       parts["embeddings"] += n
     elif path[:2] == ("blocks", "mixer"):
       parts["mixers"] += n

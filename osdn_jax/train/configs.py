@@ -9,6 +9,8 @@ zoology MQAR setting: a 2-layer, d_model 128 model on vocabulary 8192, AdamW wit
 
 Fields (every one overridable from the command line):
   model         a `models.config` name "<point>-<size>"; the vocabulary is the data's, not the size's
+  model_fields  optional: `models.STRUCTURE_FIELDS` overriding the size's (d_model, heads, gates, ...), as a
+                converted checkpoint's config.json holds them (`python -m osdn_jax.convert`)
   point_options the point's preconditioner options (e.g. {"apf_anchor": "init"}; `dgps.get`); on the command line
                 the one field that takes new keys (`--config.point_options.x=2.0`; `define_config_flag`)
   dtype         compute dtype (float32 | bfloat16); parameters and optimiser state are fp32
@@ -46,7 +48,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from osdn_jax import dgps
-from osdn_jax.models.config import REMAT_POLICIES, config as model_config
+from osdn_jax.models.config import REMAT_POLICIES, config as model_config, structure_fields
 from osdn_jax.ops import dispatch
 from osdn_jax.train import mesh as mesh_lib
 
@@ -181,6 +183,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     variant = model_config(c.model).variant
   except ValueError as e:
     raise ValueError(f"train config: `model` {c.model!r}: {e}") from None
+  try:
+    model_config(c.model, **structure_fields(c.get("model_fields", {})))
+  except ValueError as e:
+    raise ValueError(f"train config: `model_fields` of {c.model!r}: {e}") from None
   options = dgps.checks.option_mapping("train config", c.point_options)
   try:
     dgps.get(variant, **options)

@@ -138,10 +138,14 @@ class TrainResult:
 
 
 def model_config(config, vocab_size: int) -> models.ModelConfig:
+  """The model of a run: `config.model`'s named config with the run's vocabulary, dtype, solve settings and point
+  options, and the fields of `config.model_fields` when the config has them (a converted checkpoint's shape:
+  d_model, num_layers, heads, gates, ...; `osdn_jax.convert`)."""
   return models.config(config.model, vocab_size=vocab_size, dtype=jnp.dtype(config.dtype),
                        chunk_size=config.chunk_size, implementation=config.implementation, remat=config.remat,
                        scan_layers=config.get("scan_layers", True),
-                       point_options=tuple(dict(config.get("point_options", {})).items()))
+                       point_options=tuple(dict(config.get("point_options", {})).items()),
+                       **models.structure_fields(config.get("model_fields", {})))
 
 
 def _data_shard(config, mesh) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ units split; the recurrence runs under `shard_map` per head group, `osdn_jax.lay
 its rows over data × fsdp and its positions over context.
 
 Parameter rules, by the parameter's path (leading layer axis L of the stacked blocks left whole):
-  embed [vocab, D]                       vocab over tensor, D over fsdp
+  embed, head [vocab, D]                 vocab over tensor, D over fsdp (head: an untied output head)
   q/k/v/g_proj, mlp gate/up [L, D, N]    D over fsdp, N over tensor (N is heads × head size, or MLP units)
   o_proj, mlp down [L, N, D]             N over tensor, D over fsdp
   feature projections [L, D, n]          D over fsdp
@@ -31,7 +31,7 @@ CONTEXT = "context"
 
 # (pattern on the "/"-joined path, spec of the trailing dims); the first match wins.
 RULES = (
-    (r"^embed$", ("tensor", "fsdp")),
+    (r"^(embed|head)$", ("tensor", "fsdp")),
     (r"mixer/(q|k|v|g)_proj/kernel$", ("fsdp", "tensor")),
     (r"mlp/(gate|up)_proj/kernel$", ("fsdp", "tensor")),
     (r"mixer/o_proj/kernel$", ("tensor", "fsdp")),

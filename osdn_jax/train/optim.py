@@ -3,7 +3,7 @@
     lr(s) = lr · s / warmup                                       s < warmup
           = lr · (r + (1 − r) · ½(1 + cos(π (s − warmup) / (steps − warmup))))   after; r = min_lr_ratio
 
-Weight decay applies to the matrices (Linear kernels, the tied embedding, the short-conv filters) and to
+Weight decay applies to the matrices (Linear kernels, the embedding and an untied head, the short-conv filters) and to
 nothing else: not to norm scales, biases, or the point's own parameters (decay gates A_log / dt_bias, the PDN
 center, a fixed scale) — those set time scales and offsets, which decay would drag towards zero.
 """
@@ -14,7 +14,7 @@ import types
 import jax
 import optax
 
-_DECAYED = ("kernel", "embed", "weight")   # Linear kernels, the embedding, ShortConv's filter
+_DECAYED = ("kernel", "embed", "head", "weight")   # Linear kernels, the embedding, an untied head, ShortConv's filter
 
 
 def schedule(opt, steps: int) -> optax.Schedule:

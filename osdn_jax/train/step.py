@@ -64,7 +64,8 @@ def loss_sum(graph, params, batch, *, loss_chunk: int, segments_per_row=None, lo
     at = scored_positions(mask, loss_positions)
     hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
     targets, mask = jnp.take_along_axis(targets, at, axis=1), jnp.take_along_axis(mask, at, axis=1)
-  return cross_entropy(hidden, params["embed"], targets, mask, chunk=loss_chunk)
+  head = params["head"] if params.get("head") is not None else params["embed"]   # untied: its own head
+  return cross_entropy(hidden, head, targets, mask, chunk=loss_chunk)
 
 
 def make_train_step(graph, tx: optax.GradientTransformation, *, grad_accum: int = 1, loss_chunk: int = 2048,
