@@ -5,8 +5,10 @@ command, the versions and the GPU), checked here without torch.
 Compared by the normalised maximum error max|ours − FLA| / max|FLA|:
   fp32 logits, the decoding step's logits and the prefix's final states: ≤ 2e-3 (FLA's fp32 kernels multiply in
     TF32, 10 bits of mantissa);
-  bf16 logits: ≤ 2e-2 (FLA runs weights, activations and its residual stream in bf16; ours keeps the residual
-    stream and the norms' statistics in fp32).
+  bf16 logits: measured against FLA's fp32 logits, no further than twice FLA's own bf16 logits are from them (FLA
+    runs weights, activations and its residual stream in bf16, ours keeps the residual stream and the norms'
+    statistics in fp32, so the two bf16 runs round differently; at these 2-layer models FLA's bf16 error is 1e-2 to
+    3e-2 and ours 0.6 to 1.6 times it).
 A directory without golden.npz is skipped, saying so; a missing entry (a step FLA refused, in provenance.json)
 skips that comparison.
 """
@@ -22,7 +24,7 @@ from osdn_jax.convert import fla_tensors, safetensors_io
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "fla_models"
 FAMILIES = tuple(convert.FAMILIES)
-FP32_TOL, BF16_TOL = 2e-3, 2e-2
+FP32_TOL, BF16_FACTOR = 2e-3, 2.0
 HOW = "python -m experiments.fla_models_golden on a GPU with torch and FLA (docs/design.md, FLA checkpoints)"
 
 
@@ -77,8 +79,10 @@ def test_fp32_logits_state_and_step(family):
 def test_bf16_logits(family):
   golden = _golden(family)
   _need(golden, family, "logits_bf16")
+  _need(golden, family, "logits_fp32")
   model = convert.load_fla(DATA / family, dtype=jnp.bfloat16)
-  assert max_err(model(jnp.asarray(golden["tokens"])), golden["logits_bf16"]) <= BF16_TOL
+  fla_bf16_err = max_err(golden["logits_bf16"], golden["logits_fp32"])
+  assert max_err(model(jnp.asarray(golden["tokens"])), golden["logits_fp32"]) <= BF16_FACTOR * fla_bf16_err
 
 
 @pytest.mark.parametrize("family", FAMILIES)
