@@ -178,9 +178,22 @@ def short_names(config) -> dict[str, str]:
   return {short: path for short, path in spelled if counts[short] == 1}
 
 
+def _spec_leaves(spec, prefix: str = "") -> dict[str, object]:
+  """{dotted path: value} of a dataclass instance in its fields' order (`to_config`'s values, sections' fields
+  included)."""
+  out = {}
+  for name, hint in _fields(type(spec)):
+    value = getattr(spec, name)
+    if dataclasses.is_dataclass(hint):
+      out.update(_spec_leaves(value, f"{prefix}{name}."))
+    else:
+      out[prefix + name] = SEQUENCES[hint](value) if hint in SEQUENCES else value
+  return out
+
+
 def overrides(spec) -> list[str]:
   """The --config.PATH=VALUE overrides that make the defaults of `type(spec)` into `spec`, in field order."""
-  now, default = leaves(to_config(spec)), leaves(to_config(type(spec)()))
+  now, default = _spec_leaves(spec), _spec_leaves(type(spec)())
   return [f"--{NAME}.{path}={_text(value)}" for path, value in now.items() if value != default[path]]
 
 
@@ -189,14 +202,25 @@ def _text(value) -> str:
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
-_declared: dict[str, ml_collections.ConfigDict] = {}
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+  kind: type                            # the settings' dataclass
+  config: ml_collections.ConfigDict     # its defaults (`to_config`)
+
+
+_declared: list[_Declared] = []         # the program's settings (`define`): one
 
 
 def define(defaults) -> None:
   """Declares the program's settings: the fields of dataclass instance `defaults`, each overridable as
   --config.FIELD (the flag itself is defined when the command line is parsed, `parse_flags`)."""
-  _declared[NAME] = to_config(defaults)
-  _declared["type"] = type(defaults)
+  _declared[:] = [_Declared(type(defaults), to_config(defaults))]
+
+
+def _the_declared() -> _Declared:
+  if not _declared:
+    raise RuntimeError("experiments.config: the program's settings are not declared (`define`)")
+  return _declared[0]
 
 
 def _split(arg: str) -> tuple[str, str | None]:
@@ -228,7 +252,7 @@ def translate(argv: list[str], config) -> list[str]:
     name, value = _split(arg)
     if name.startswith(NAME + "."):
       if name[len(NAME) + 1:] not in paths:
-        raise cli.UsageError(f"--{name}: {type_name()} has no field {name[len(NAME) + 1:]!r}"
+        raise cli.UsageError(f"--{name}: {_the_declared().kind.__name__} has no field {name[len(NAME) + 1:]!r}"
                              + _closest(name[len(NAME) + 1:], paths, short))
       out.append(arg)
       continue
@@ -246,11 +270,6 @@ def translate(argv: list[str], config) -> list[str]:
   return out
 
 
-def type_name() -> str:
-  kind = _declared.get("type")
-  return kind.__name__ if kind is not None else "the config"
-
-
 def _closest(name: str, paths, short) -> str:
   """"; did you mean --config.A or --config.B?" for the fields nearest `name` (by path, last name or short
   spelling), or the list of every field when none is near."""
@@ -266,9 +285,7 @@ def _closest(name: str, paths, short) -> str:
 def parse_flags(argv: list[str]) -> list[str]:
   """The flags parser of an experiment (`run`): the short spellings translated (`translate`), the config flag
   defined for the overrides argv holds, then absl's parse (`cli.parse_flags`: one line for a value it refuses)."""
-  config = _declared.get(NAME)
-  if config is None:
-    raise RuntimeError("experiments.config.parse_flags before experiments.config.define")
+  config = _the_declared().config
   with cli.handled(status=cli.USAGE):
     argv = translate(list(argv), config)
   for name in [n for n in flags.FLAGS if n == NAME or n.startswith(NAME + ".")]:   # a program parsed again
@@ -292,4 +309,4 @@ def current():
 def settings(cls=None):
   """The parsed settings as dataclass `cls` (default the declared one), a `cli.UsageError` for a value it refuses."""
   with cli.usage():
-    return from_config(cls or _declared["type"], current())
+    return from_config(cls or _the_declared().kind, current())
