@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import sys
 import typing
 
 import ml_collections
@@ -204,8 +205,12 @@ def _text(value) -> str:
 # -- the command line -----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Declared:
-  kind: type                            # the settings' dataclass
-  config: ml_collections.ConfigDict     # its defaults (`to_config`)
+  defaults: object                      # the settings' defaults, a dataclass instance
+  config: ml_collections.ConfigDict     # their config (`to_config`)
+
+  @property
+  def kind(self) -> type:
+    return type(self.defaults)
 
 
 _declared: list[_Declared] = []         # the program's settings (`define`): one
@@ -214,7 +219,7 @@ _declared: list[_Declared] = []         # the program's settings (`define`): one
 def define(defaults) -> None:
   """Declares the program's settings: the fields of dataclass instance `defaults`, each overridable as
   --config.FIELD (the flag itself is defined when the command line is parsed, `parse_flags`)."""
-  _declared[:] = [_Declared(type(defaults), to_config(defaults))]
+  _declared[:] = [_Declared(defaults, to_config(defaults))]
 
 
 def _the_declared() -> _Declared:
@@ -290,8 +295,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     argv = translate(list(argv), config)
   for name in [n for n in flags.FLAGS if n == NAME or n.startswith(NAME + ".")]:   # a program parsed again
     delattr(flags.FLAGS, name)
-  config_flags.DEFINE_config_dict(NAME, config.copy_and_resolve_references(), "the experiment's settings: "
-                                  f"--{NAME}.FIELD=VALUE", sys_argv=argv, lock_config=True)
+  fields = ", ".join(f"{path}={_text(value)}" for path, value in _spec_leaves(_the_declared().defaults).items())
+  config_flags.DEFINE_config_dict(NAME, config.copy_and_resolve_references(), f"the settings "
+                                  f"({_the_declared().kind.__name__}), each --{NAME}.FIELD=VALUE (--FIELD=VALUE is "
+                                  f"the same); the fields and their defaults: {fields}", sys_argv=argv,
+                                  lock_config=True)
+  flags.FLAGS[NAME].default_as_str = None      # the help lists the fields' defaults (not the config as YAML)
+  flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[NAME])   # --help lists it with the program's
   return cli.parse_flags(argv)
 
 
