@@ -235,6 +235,10 @@ def _split(arg: str) -> tuple[str, str | None]:
   return name, (value if eq else None)
 
 
+# The names absl reads whatever the program defines.
+_ABSL = ("help", "helpfull", "helpshort", "helpxml", "h", "?", "flagfile", "undefok")
+
+
 def _is_flag(name: str) -> bool:
   return name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS)
 
@@ -261,13 +265,17 @@ def translate(argv: list[str], config) -> list[str]:
                              + _closest(name[len(NAME) + 1:], paths, short))
       out.append(arg)
       continue
-    if _is_flag(name) or name in ("help", "helpfull", "helpshort", "helpxml", "h", "?"):
+    if _is_flag(name) or name in _ABSL:
       out.append(arg)
       continue
+    if name not in short and name.startswith("no") and isinstance(paths.get(short.get(name[2:])), bool):
+      name, value = name[2:], "false"   # --noFIELD of a bool field
     if name not in short:
       raise cli.UsageError(f"--{name} is not a flag of this program; its settings are --{NAME}.FIELD=VALUE"
                            + _closest(name, paths, short))
-    if value is None:                     # --name VALUE
+    if value is None and isinstance(paths[short[name]], bool):
+      value = "true"                      # --FIELD of a bool field
+    if value is None:                     # --FIELD VALUE
       if i >= len(argv):
         raise cli.UsageError(f"--{name} needs a value: --{NAME}.{short[name]}=VALUE")
       value, i = argv[i], i + 1

@@ -24,6 +24,7 @@ class Settings:
   pairs: tuple[tuple[int, int], ...] = ()
   rate: float = 0.5
   order: str = "epoch"
+  quick: bool = False
   text: Section = Section()
 
 
@@ -60,6 +61,9 @@ def test_short_spellings_translate_to_config_overrides():
                            "positional"], c)
   assert argv == ["prog", "--config.names=gdn,pdn", "--config.seeds=3", "--config.text.steps=5", "--config.rate=0.1",
                   "positional"]
+  assert config.translate(["prog", "--quick"], c) == ["prog", "--config.quick=true"]
+  assert config.translate(["prog", "--noquick", "--", "--names"], c) == ["prog", "--config.quick=false", "--",
+                                                                         "--names"]
 
 
 @pytest.mark.parametrize("argv,match", [
