@@ -100,10 +100,13 @@ def plot(rows: list[dict]):
   return fig
 
 
+SMOKE = Contraction(variants=mqar.SMOKE["variants"], mqar=mqar.Sweep(**mqar.SMOKE), text=lm.LM(**lm.SMOKE))
+
+
 def main(argv):
   del argv
   f = FLAGS
-  spec = Contraction(variants=mqar.SMOKE["variants"], mqar=mqar.Sweep(**mqar.SMOKE), text=lm.LM(**lm.SMOKE)) if f.smoke else config.settings(Contraction)
+  spec = SMOKE if f.smoke else config.settings(Contraction)
   rows = run(spec, f.out)
   text = table(rows, spec)
   paths = common.write_results(f.out, "contraction", {"spec": dataclasses.asdict(spec), "rows": rows}, text,

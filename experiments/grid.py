@@ -4,10 +4,10 @@ A cell is one (variant, L, kv, learning rate, seed) at one protocol (steps, rows
 training and test rows, dtype, implementation). Its result is one JSON file, `OUT/<name>.json`, holding the cell,
 its test accuracy, its learning curve (training loss and test accuracy every `eval_every` steps) and the model's
 per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
-a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from
-its state saved under OUT/partial/ at its last curve point (the trainer's checkpoints, `osdn_jax.train.checkpoints`;
-on the machine that saved it: the state is not committed). `--report` merges every cell file of OUT into one table per cut and protocol, one figure of the cuts
-(grid.png) and the learning curves (curves.png) of the main protocol.
+a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from its state
+saved under OUT/partial/ at its last curve point (the trainer's checkpoints, `osdn_jax.train.checkpoints`; on the
+machine that saved it: the state is not committed). `--report` merges every cell file of OUT into one table per cut
+and protocol, one figure of the cuts (grid.png) and the learning curves (curves.png) of the main protocol.
 
 The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
 states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them

@@ -7,8 +7,9 @@ claims its gain. Per variant and cell: accuracy once and twice, the best over le
   python -m experiments.recall --config.variants=dn,osdn,osdn-apf,dn-fixed-d --config.lengths=512 --config.kv=64,128
   python -m experiments.recall --merge=a/recall.json,b/recall.json    # one report from parts run in parallel
 
-Takes experiments.mqar's settings (`mqar.Sweep`, `--config.FIELD=VALUE`; `reads` is set by the comparison). Writes OUT/recall.json, OUT/recall.md and OUT/recall.png (accuracy once and
-twice per variant); each run's work directory stays under OUT/runs/recall/.
+Takes experiments.mqar's settings (`mqar.Sweep`, `--config.FIELD=VALUE`; `reads` is set by the comparison). Writes
+OUT/recall.json, OUT/recall.md and OUT/recall.png (accuracy once and twice per variant); each run's work directory
+stays under OUT/runs/recall/.
 """
 from __future__ import annotations
 
