@@ -9,7 +9,13 @@ Measured on held-out rows (MQAR test rows, text validation rows), each from d_in
 
   python -m experiments.clip                 # the default (a GPU)
   python -m experiments.clip --smoke         # CI size
-  python -m experiments.clip --variants=osdn,osdn-apf:apf_anchor=init --chunk_sizes=32,64 --steps=500
+  python -m experiments.clip --config.variants=osdn,osdn-apf:apf_anchor=init --config.chunk_sizes=32,64 \
+      --config.mqar.steps=500
+
+The settings are `Clip`'s fields, each `--config.FIELD=VALUE` (`experiments.config`): the MQAR training's under
+`mqar` (`experiments.mqar.Sweep`: its first length, kv and learning rate), the text training's under `text`
+(`experiments.lm.LM`), e.g. `--config.mqar.dtype=bfloat16 --config.text.dtype=bfloat16`; the variants trained
+are the top-level `variants` (the sections' own are not read). `--text_steps=200` is `--config.text.steps=200`.
 
 Writes OUT/clip.json, OUT/clip.md and OUT/clip.png; work directories under OUT/runs/clip/.
 """
@@ -25,9 +31,8 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from experiments import common, lm, mqar
-from osdn_jax import cli, dgps, diagnostics, plugins
-from osdn_jax.ops import dispatch
+from experiments import common, config, lm, mqar
+from osdn_jax import cli, dgps, diagnostics
 
 FLAGS = flags.FLAGS
 
@@ -38,6 +43,9 @@ QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 
 @dataclasses.dataclass
 class Clip:
+  """What `experiments.clip` measures (module docstring): the OSDN points `variants`, each trained on MQAR (`mqar`)
+  and on text (`text`); the chunk lengths C of the chunk counts; the MQAR test rows and text validation rows
+  measured."""
   variants: tuple[str, ...] = VARIANTS
   mqar: mqar.Sweep = dataclasses.field(default_factory=lambda: mqar.Sweep(lengths=(256,), kv=(32,), lrs=(1e-3,)))
   text: lm.LM = dataclasses.field(default_factory=lm.LM)
@@ -214,15 +222,7 @@ SMOKE = dict(variants=("osdn-apf",), mqar=mqar.Sweep(**dict(mqar.SMOKE, variants
 def main(argv):
   del argv
   f = FLAGS
-  if f.smoke:
-    spec = Clip(**SMOKE)
-  else:
-    spec = Clip(variants=tuple(f.variants),
-                mqar=mqar.Sweep(lengths=(f.length,), kv=(f.kv,), lrs=(f.lr,), steps=f.steps, batch_size=f.batch_size,
-                                size=f.size, vocab_size=f.vocab_size, implementation=f.implementation, dtype=f.dtype),
-                text=lm.LM(steps=f.text_steps, size=f.size, seq_len=f.text_seq_len, batch_size=f.text_batch_size,
-                           implementation=f.implementation, dtype=f.dtype),
-                chunk_sizes=tuple(map(int, f.chunk_sizes)), mqar_rows=f.mqar_rows, text_rows=f.text_rows)
+  spec = Clip(**SMOKE) if f.smoke else config.settings(Clip)
   rows = run(spec, f.out)
   text = table(rows, spec)
   paths = common.write_results(f.out, "clip", {"spec": dataclasses.asdict(spec), "rows": rows}, text,
@@ -232,23 +232,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  plugins.define_imports_flag()
-  flags.DEFINE_list("variants", list(VARIANTS), "OSDN registry points (name[:option=value,...])")
-  flags.DEFINE_integer("length", 256, "MQAR row length")
-  flags.DEFINE_integer("kv", 32, "MQAR pairs")
-  flags.DEFINE_float("lr", 1e-3, "MQAR learning rate")
-  flags.DEFINE_integer("steps", 2000, "MQAR steps")
-  flags.DEFINE_integer("batch_size", 64, "MQAR rows per step")
-  flags.DEFINE_integer("vocab_size", 8192, "MQAR vocabulary")
-  flags.DEFINE_string("size", "mqar", "model size of both trainings (`osdn_jax.models.SIZES`)")
-  flags.DEFINE_integer("text_steps", 2000, "text steps")
-  flags.DEFINE_integer("text_seq_len", 512, "text tokens per row")
-  flags.DEFINE_integer("text_batch_size", 32, "text rows per step")
-  flags.DEFINE_list("chunk_sizes", ["16", "64", "128"], "chunk lengths C of the chunk counts")
-  flags.DEFINE_integer("mqar_rows", 64, "MQAR test rows measured")
-  flags.DEFINE_integer("text_rows", 16, "text validation rows measured")
-  flags.DEFINE_string("dtype", "float32", "compute dtype")
-  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_bool("smoke", False, "the CI size")
-  flags.DEFINE_string("out", "results", "output directory")
-  cli.run(main)
+  common.define_flags(Clip())
+  cli.run(main, flags_parser=config.parse_flags)

@@ -6,7 +6,6 @@ A variant is a registry point's name with optional preconditioner options after 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import config
 from osdn_jax import data as data_lib
 from osdn_jax import dgps, plugins, train
 from osdn_jax.data import IGNORE
@@ -55,6 +55,13 @@ def check_variants(variants) -> None:
   """ValueError naming the first variant `parse_variant` refuses: for settings checked before anything trains."""
   for spec in variants:
     parse_variant(spec)
+
+
+def check_implementation(name: str) -> None:
+  """ValueError naming `implementation` unless `name` is one of the ops' implementations (`dispatch.NAMES`)."""
+  from osdn_jax.ops import dispatch
+  if name not in dispatch.NAMES:
+    raise ValueError(f"`implementation` {name!r} is not one of {', '.join(dispatch.NAMES)}")
 
 
 def variant_config(base, spec: str, size: str):
@@ -166,20 +173,28 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def command(name: str, spec, *, skip=()) -> str:
-  """The command that reruns an experiment with settings `spec` (its dataclass, whose fields are its flags):
-  every field that differs from the dataclass's default, as --field=value (sequences comma-separated), after
-  --imports= the modules this process imported for their points (`osdn_jax.plugins`), if any."""
-  default = type(spec)()
+  """The command that reruns an experiment with settings `spec` (its dataclass, whose fields are its
+  --config.FIELD overrides, `experiments.config`): every field that differs from the dataclass's default, after
+  --imports= the modules this process imported for their points (`osdn_jax.plugins`), if any. skip: fields left
+  out (dotted paths for a section's)."""
   parts = ["python -m experiments." + name]
   if plugins.imported():   # the variants may name their points
     parts.append("--imports=" + ",".join(plugins.imported()))
-  for field in dataclasses.fields(spec):
-    value = getattr(spec, field.name)
-    if field.name in skip or value == getattr(default, field.name):
-      continue
-    text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
-    parts.append(f"--{field.name}={text}")
+  parts += [o for o in config.overrides(spec) if o.split("=", 1)[0].removeprefix(f"--{config.NAME}.") not in skip]
   return " ".join(parts)
+
+
+def define_flags(defaults, *, merge: str | None = None) -> None:
+  """An experiment's flags: --imports, --smoke (the CI size), --out, --merge (when `merge` names its result file:
+  parts of one comparison reported together) and `defaults`'s fields as --config.FIELD (`experiments.config`)."""
+  from absl import flags
+  plugins.define_imports_flag()
+  flags.DEFINE_bool("smoke", False, "the CI size (the settings are the module's SMOKE)")
+  flags.DEFINE_string("out", "results", "output directory")
+  if merge:
+    flags.DEFINE_list("merge", [], f"{merge} files of parts of one comparison: report them together, training "
+                      "nothing")
+  config.define(defaults)
 
 
 def write_results(out_dir, name: str, payload: dict, table: str, figure=None, *, command: str | None = None,

@@ -7,7 +7,12 @@ what it is meant to buy: the recall residual, the accuracy, and the `dn-fixed-d`
 
   python -m experiments.contraction               # the default (a GPU)
   python -m experiments.contraction --smoke       # CI size
-  python -m experiments.contraction --variants=dn,osdn --length=64 --kv=8 --vocab_size=256 --steps=250
+  python -m experiments.contraction --config.variants=dn,osdn --config.mqar.lengths=64 --config.mqar.kv=8 \
+      --config.mqar.vocab_size=256 --config.mqar.steps=250
+
+The settings are `Contraction`'s fields, each `--config.FIELD=VALUE` (`experiments.config`): the MQAR training's
+under `mqar` (`experiments.mqar.Sweep`: its first length, kv and learning rate), the text training's under `text`
+(`experiments.lm.LM`); the variants trained are the top-level `variants` (the sections' own are not read).
 
 Writes OUT/contraction.json, OUT/contraction.md and OUT/contraction.png; work directories under
 OUT/runs/contraction/.
@@ -20,15 +25,15 @@ import pathlib
 import numpy as np
 from absl import flags
 
-from experiments import common, lm, mqar
-from osdn_jax import cli, plugins
-from osdn_jax.ops import dispatch
+from experiments import common, config, lm, mqar
+from osdn_jax import cli
 
 FLAGS = flags.FLAGS
 
 
 @dataclasses.dataclass
 class Contraction:
+  """The variants, each trained on MQAR (`mqar`) and on text (`text`), module docstring."""
   variants: tuple[str, ...] = common.VARIANTS
   mqar: mqar.Sweep = dataclasses.field(default_factory=lambda: mqar.Sweep(lengths=(256,), kv=(32,), lrs=(1e-3,)))
   text: lm.LM = dataclasses.field(default_factory=lm.LM)
@@ -95,19 +100,13 @@ def plot(rows: list[dict]):
   return fig
 
 
+SMOKE = Contraction(variants=mqar.SMOKE["variants"], mqar=mqar.Sweep(**mqar.SMOKE), text=lm.LM(**lm.SMOKE))
+
+
 def main(argv):
   del argv
   f = FLAGS
-  if f.smoke:
-    spec = Contraction(variants=mqar.SMOKE["variants"], mqar=mqar.Sweep(**mqar.SMOKE), text=lm.LM(**lm.SMOKE))
-  else:
-    spec = Contraction(variants=tuple(f.variants),
-                       mqar=mqar.Sweep(lengths=(f.length,), kv=(f.kv,), lrs=(f.lr,), steps=f.steps,
-                                       batch_size=f.batch_size, size=f.size, vocab_size=f.vocab_size,
-                                       implementation=f.implementation, dtype=f.dtype),
-                       text=lm.LM(steps=f.text_steps, size=f.size, seq_len=f.text_seq_len,
-                                  batch_size=f.text_batch_size,
-                                  implementation=f.implementation, dtype=f.dtype))
+  spec = SMOKE if f.smoke else config.settings(Contraction)
   rows = run(spec, f.out)
   text = table(rows, spec)
   paths = common.write_results(f.out, "contraction", {"spec": dataclasses.asdict(spec), "rows": rows}, text,
@@ -117,20 +116,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  plugins.define_imports_flag()
-  flags.DEFINE_list("variants", list(common.VARIANTS), "registry points (name[:option=value,...])")
-  flags.DEFINE_integer("length", 256, "MQAR row length")
-  flags.DEFINE_integer("kv", 32, "MQAR pairs")
-  flags.DEFINE_float("lr", 1e-3, "MQAR learning rate")
-  flags.DEFINE_integer("steps", 2000, "MQAR steps")
-  flags.DEFINE_integer("batch_size", 64, "MQAR rows per step")
-  flags.DEFINE_integer("vocab_size", 8192, "MQAR vocabulary")
-  flags.DEFINE_string("size", "mqar", "model size of both trainings (`osdn_jax.models.SIZES`)")
-  flags.DEFINE_integer("text_steps", 2000, "text steps")
-  flags.DEFINE_integer("text_seq_len", 512, "text tokens per row")
-  flags.DEFINE_integer("text_batch_size", 32, "text rows per step")
-  flags.DEFINE_string("dtype", "float32", "compute dtype")
-  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_bool("smoke", False, "the CI size")
-  flags.DEFINE_string("out", "results", "output directory")
-  cli.run(main)
+  common.define_flags(Contraction())
+  cli.run(main, flags_parser=config.parse_flags)

@@ -7,21 +7,25 @@ size every variant is past the learning cusp, which DN crosses near step 100) an
 twice the pairs it was trained on); the table gives the accuracy, q_geo and the recall residual, and the heat-maps
 go to OUT/demo.png.
 
-  python -m experiments.demo [--steps=300 --out=results]
+  python -m experiments.demo [--config.steps=300 --out=results]
 """
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
 
-from experiments import mqar
-from osdn_jax import cli, plugins
+from experiments import common, config, mqar
+from osdn_jax import cli
 
 VARIANTS = ("dn", "pdn", "osdn", "osdn-apf", "dn-fixed-d", "gdn", "pgdn")
-_STEPS = flags.DEFINE_integer("steps", 300, "optimiser steps per variant")
-_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), "registry points (name[:option=value,...])")
-_OUT = flags.DEFINE_string("out", "results", "output directory")
-_SMOKE = flags.DEFINE_bool("smoke", False, "the CI size: one variant, a few steps")
-plugins.define_imports_flag()
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+  """The demo's settings, `--config.FIELD` (`experiments.config`): the variants and the optimiser steps of each."""
+  variants: tuple[str, ...] = VARIANTS
+  steps: int = 300
 
 
 def sweep(variants=VARIANTS, steps: int = 300) -> mqar.Sweep:
@@ -32,14 +36,19 @@ def sweep(variants=VARIANTS, steps: int = 300) -> mqar.Sweep:
 
 def main(argv):
   del argv
-  s = sweep(_VARIANTS.value, _STEPS.value)
-  if _SMOKE.value:
+  f = flags.FLAGS
+  if f.smoke:
     s = mqar.Sweep(**dict(mqar.SMOKE, kv=(2, 4), train_kv=4))
-  results = mqar.sweep_runs(s, _OUT.value, name="demo")
-  text, paths = mqar.report(s, results, _OUT.value, name="demo")
+  else:
+    spec = config.settings(Demo)
+    with cli.usage():
+      s = sweep(spec.variants, spec.steps)
+  results = mqar.sweep_runs(s, f.out, name="demo")
+  text, paths = mqar.report(s, results, f.out, name="demo")
   print(text)
   print("wrote", ", ".join(str(p) for p in paths.values()))
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  common.define_flags(Demo())
+  cli.run(main, flags_parser=config.parse_flags)

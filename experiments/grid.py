@@ -4,10 +4,10 @@ A cell is one (variant, L, kv, learning rate, seed) at one protocol (steps, rows
 training and test rows, dtype, implementation). Its result is one JSON file, `OUT/<name>.json`, holding the cell,
 its test accuracy, its learning curve (training loss and test accuracy every `eval_every` steps) and the model's
 per-layer q_geo and recall residual. Rerunning a sweep skips every cell whose file exists with the same protocol, so
-a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from
-its state saved under OUT/partial/ at its last curve point (on the machine that saved it: the state is not
-committed). `--report` merges every cell file of OUT into one table per cut and protocol, one figure of the cuts
-(grid.png) and the learning curves (curves.png) of the main protocol.
+a grid larger than one run's GPU time fills in over several runs; a group stopped midway resumes from its state
+saved under OUT/partial/ at its last curve point (the trainer's checkpoints, `osdn_jax.train.checkpoints`; on the
+machine that saved it: the state is not committed). `--report` merges every cell file of OUT into one table per cut
+and protocol, one figure of the cuts (grid.png) and the learning curves (curves.png) of the main protocol.
 
 The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
 states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them
@@ -17,10 +17,13 @@ training rows live on the device (zoology's generator, `osdn_jax.data.MQARSource
 trainer seeds it), and each step's rows are drawn from them with replacement (`--order=replacement`, the default) or
 in a new permutation every epoch (`--order=epoch`); docs/experiments.md says why the order matters.
 
-  python -m experiments.grid --cut=c --variants=dn,pdn,gdn,pgdn --seeds=0,1      # train the missing cells
-  python -m experiments.grid --cut=c --variants=dn --budget_s=600                # stop starting groups after 10 min
-  python -m experiments.grid --report                                           # tables and figure from OUT
-  python -m experiments.grid --smoke                                            # the CI size, seconds on a CPU
+  python -m experiments.grid --config.cut=c --config.variants=dn,pdn,gdn,pgdn --config.seeds=0,1   # the missing cells
+  python -m experiments.grid --config.variants=dn --config.budget_s=600     # stop starting groups after 10 min
+  python -m experiments.grid --report                                       # tables and figure from OUT
+  python -m experiments.grid --smoke                                        # the CI size, seconds on a CPU
+
+The settings are `Grid`'s fields (the protocol's, then which cells and how), each `--config.FIELD=VALUE`
+(`experiments.config`); the short spelling `--FIELD=VALUE` (`--pairs=1024:32 --steps=1500`) is the same override.
 
 The cuts are the PDN paper's: (a) kv = 64, L ∈ {256, 512, 1024, 2048}; (b) kv : L = 1 : 8; (c) L = 1024,
 kv ∈ {32, 64, 128, 256}.
@@ -32,9 +35,9 @@ import hashlib
 import json
 import math
 import pathlib
+import shutil
 import tempfile
 import time
-import zipfile
 from concurrent import futures
 
 import jax
@@ -43,12 +46,12 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from experiments import common, mqar
+from experiments import common, config, mqar
 from osdn_jax import cli, plugins
 from osdn_jax.data import MQARSource
 from osdn_jax.data.recall import IGNORE
-from osdn_jax.ops import dispatch
 from osdn_jax.train import loop, optim
+from osdn_jax.train.checkpoints import DAMAGED, Checkpoints, quiet_checkpoint_logs
 from osdn_jax.train.step import graphdef, init_state, make_train_step, scored_positions
 
 CUTS = {
@@ -306,18 +309,25 @@ class Group:
     return np.concatenate(out)
 
   def run(self, log=print, partial: pathlib.Path | None = None) -> list[dict]:
-    """Trains the cells; returns one result dict per cell. partial: a file prefix where the group's state is saved
-    at every point of the learning curve and resumed from when it is there (a stopped run loses at most
-    eval_every steps)."""
+    """Trains the cells; returns one result dict per cell. partial: a directory where the group's state
+    (parameters, optimiser state, step and curves) is saved at every point of the learning curve with the trainer's
+    checkpoints (`osdn_jax.train.checkpoints`: written whole, checksummed) and resumed from when it is there (a
+    stopped run loses at most eval_every steps); removed when the group ends."""
     p, cells = self.protocol, self.cells
     states, tokens, labels, orders, lrs = self.start()
     put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
     tests = (put([self.data[c.seed][1][0] for c in cells]), put([self.data[c.seed][1][1] for c in cells]))
     curves = [[] for _ in cells]
     losses, step, times = [], 0, []
-    if partial is not None and (saved := _load_partial(partial, states, log)) is not None:
-      states, step, curves = saved
-      log(f"  resumed at step {step}")
+    store = None
+    if partial is not None:
+      quiet_checkpoint_logs()
+      store = Checkpoints(pathlib.Path(partial).absolute(), keep=1, async_save=False)
+      if (saved := _restore(store, states, log)) is not None:
+        states, step, curves = saved
+        log(f"  resumed at step {step}")
+      if not store.directory.is_dir():    # set aside whole: a new one
+        store = Checkpoints(store.directory, keep=1, async_save=False)
     while step < p.steps:
       t0 = time.perf_counter()
       states, loss = self._chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
@@ -330,8 +340,8 @@ class Group:
         acc = self.accuracy(states, tests)
         for i, curve in enumerate(curves):
           curve.append(dict(step=step, loss=float(np.mean(window[:, i])), accuracy=float(acc[i])))
-        if partial is not None and step < p.steps:
-          _save_partial(partial, states, step, curves)
+        if store is not None and step < p.steps:
+          store.save(step, states, dict(curves=curves))
         log(f"  step {step}: " + ", ".join(f"lr {c.lr:g} s{c.seed} {100 * a:.1f}%" for c, a in zip(cells, acc)))
     # The first chunk of this process includes compilation: the rate is over the others when there are others.
     steady = times[1:] or times
@@ -351,46 +361,39 @@ class Group:
                           state_norm=diag["state_norm"], cells_in_program=len(cells),
                           steps_per_s=rate, cell_steps_per_s=rate * len(cells),
                           timed_steps=self.chunk_steps * len(steady)))
-    if partial is not None:
-      for path in _partial_files(partial):
-        path.unlink(missing_ok=True)
+    if store is not None:
+      _remove_saved(store)
     return results
 
 
-def _partial_files(prefix: pathlib.Path):
-  return (prefix.with_suffix(".npz"),)
+def _remove_saved(store: Checkpoints) -> None:
+  """Removes the group's saved states once it has ended, keeping any set aside as damaged (and their directory)."""
+  store.close()
+  for child in store.directory.iterdir():
+    if DAMAGED not in child.name:
+      shutil.rmtree(child) if child.is_dir() else child.unlink()
+  if not any(store.directory.iterdir()):
+    store.directory.rmdir()
 
 
-def _save_partial(prefix: pathlib.Path, states, step: int, curves) -> None:
-  """The group's states, step and curves in one file, replaced whole (a kill leaves the old one or the new one)."""
-  (arrays,) = _partial_files(prefix)
-  prefix.parent.mkdir(parents=True, exist_ok=True)
-  meta = np.frombuffer(json.dumps(dict(step=step, curves=curves)).encode(), np.uint8)
-  with open(arrays.with_suffix(".tmp.npz"), "wb") as f:
-    np.savez(f, *[np.asarray(x) for x in jax.tree.leaves(states)], meta=meta)
-  arrays.with_suffix(".tmp.npz").replace(arrays)
-
-
-def _load_partial(prefix: pathlib.Path, like, log=print):
-  """(states, step, curves) saved by `_save_partial` for states shaped like `like`, or None. A saved state that
-  cannot be read is damaged: its file is set aside with a warning, and the group starts from step 0."""
-  (arrays,) = _partial_files(prefix)
-  if not arrays.is_file():
-    return None
+def _restore(store: Checkpoints, like, log=print):
+  """(states, step, curves) of the group's newest saved state in `store` that passes its checksums and holds
+  states shaped like `like`, or None. A saved state that fails is damaged: moved aside (`Checkpoints.set_aside`)
+  with a warning naming it; without an older one the group starts from step 0."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
   try:
-    with np.load(arrays) as data:
-      saved = json.loads(data["meta"].tobytes().decode())
-      leaves = [data[f"arr_{i}"] for i in range(len(data.files) - 1)]
-    step, curves = int(saved["step"]), saved["curves"]
-  except (ValueError, UnicodeDecodeError, OSError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as e:
-    _set_aside(arrays, e, log)
-    log(f"warning: the group's saved state {prefix} is damaged; it restarts from step 0")
+    restored = store.restore_latest(abstract)
+  except RuntimeError as e:     # none can be read into these states: the whole directory is set aside
+    store.close()
+    _set_aside(store.directory, cli.one_line(e), log)
+    log(f"warning: the group's saved state {store.directory} is damaged; it restarts from step 0")
     return None
-  ref, treedef = jax.tree.flatten(like)
-  if len(leaves) != len(ref) or any(a.shape != b.shape for a, b in zip(leaves, ref)):
+  for step, why in store.damaged:
+    log(f"warning: the group's saved state {store.directory}/{step} is damaged ({why}); moved aside")
+  store.set_aside()
+  if restored is None:
     return None
-  states = jax.tree.unflatten(treedef, [jnp.asarray(a, b.dtype) for a, b in zip(leaves, ref)])
-  return states, step, curves
+  return restored.state, restored.step, restored.data_state["curves"]
 
 
 def groups(cells: list[Cell]) -> list[list[Cell]]:
@@ -601,36 +604,53 @@ def _curves(results: list[dict], variants):
 
 # --- command line ---------------------------------------------------------------------------------------------------
 
-SMOKE = dict(protocol=Protocol(steps=8, batch_size=4, vocab_size=64, size="tiny", train_examples=64,
-                               test_examples=8, implementation="xla", eval_every=4),
-             variants=("dn",), pairs=((32, 4),), lrs=(3e-3, 1e-2), seeds=(0,))
+@dataclasses.dataclass(frozen=True)
+class Grid(Protocol):
+  """A grid run's settings, `--config.FIELD` on its command line (`experiments.config`): the protocol's fields, then
+  which cells it trains (every variant × L:kv pair × learning rate × seed) and how. pairs: explicit L:kv cells
+  instead of the cuts' (`CUTS`). budget_s > 0: no group starts after that many seconds. max_cells > 0: at most
+  that many cells in one program. workers: processes drawing the training rows (0: this one)."""
+  variants: tuple[str, ...] = ("dn", "pdn", "gdn", "pgdn")
+  cut: tuple[str, ...] = ("c",)
+  pairs: tuple[tuple[int, int], ...] = ()
+  lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+  seeds: tuple[int, ...] = (0, 1)
+  budget_s: float = 0.0
+  max_cells: int = 0
+  workers: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    for c in self.cut:
+      if c not in CUTS:
+        raise ValueError(f"grid: `cut` {c!r} is not one of {', '.join(sorted(CUTS))}")
+    for s in self.seeds:
+      if s < 0:
+        raise ValueError(f"grid: `seeds` {s} is not an int ≥ 0")
+    common.check_implementation(self.implementation)
+    common.check_variants(self.variants)
+
+  @property
+  def protocol(self) -> Protocol:
+    return Protocol(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Protocol)})
+
+  def cells(self) -> list[Cell]:
+    pairs = self.pairs or tuple(dict.fromkeys(pair for cut in self.cut for pair in CUTS[cut]))
+    return cells_of(self.variants, pairs, self.lrs, self.seeds)
+
+
+SMOKE = Grid(steps=8, batch_size=4, vocab_size=64, size="tiny", train_examples=64, test_examples=8,
+             implementation="xla", eval_every=4, variants=("dn",), pairs=((32, 4),), lrs=(3e-3, 1e-2), seeds=(0,))
+
 
 def define_flags():
+  """The grid's own flags (its settings are `Grid`'s, `experiments.config`)."""
   plugins.define_imports_flag()
-  flags.DEFINE_list("variants", ["dn", "pdn", "gdn", "pgdn"], "registry points (name[:option=value,...])")
-  flags.DEFINE_list("cut", ["c"], "the PDN paper's cuts to train: a, b, c")
-  flags.DEFINE_list("pairs", [], "explicit L:kv cells instead of the cuts, e.g. 256:64,1024:128")
-  flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "peak learning rates")
-  flags.DEFINE_list("seeds", ["0", "1"], "seeds (initialisation, training rows and their order)")
-  flags.DEFINE_integer("steps", Protocol.steps, "optimiser steps per cell")
-  flags.DEFINE_integer("batch_size", Protocol.batch_size, "rows per step")
-  flags.DEFINE_integer("vocab_size", Protocol.vocab_size, "MQAR vocabulary")
-  flags.DEFINE_string("size", Protocol.size, "model size")
-  flags.DEFINE_integer("train_examples", Protocol.train_examples, "training rows per cell")
-  flags.DEFINE_integer("test_examples", Protocol.test_examples, "test rows per cell")
-  flags.DEFINE_string("dtype", Protocol.dtype, "compute dtype")
-  flags.DEFINE_enum("implementation", Protocol.implementation, dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_integer("eval_every", Protocol.eval_every, "steps between points of the learning curve")
-  flags.DEFINE_integer("reads", Protocol.reads, "times the kv block is read before the queries (1 or 2)")
-  flags.DEFINE_enum("order", Protocol.order, ORDERS, "the training rows' order: a new permutation every epoch, or "
-                    "each row drawn with replacement")
-  flags.DEFINE_float("budget_s", 0.0, "start no group after this many seconds (0: no limit)")
-  flags.DEFINE_integer("max_cells", 0, "cells per program at most (0: a whole group)")
-  flags.DEFINE_integer("workers", 0, "processes drawing the training rows (0: this one)")
   flags.DEFINE_bool("report", False, "write the tables and figure of the cells in OUT, training nothing")
-  flags.DEFINE_bool("smoke", False, "the CI size")
+  flags.DEFINE_bool("smoke", False, "the CI size (the settings are SMOKE's)")
   flags.DEFINE_string("out", "docs/results/mqar", "the cells' directory (with --smoke: a new temporary one unless "
                       "given)")
+  config.define(Grid())
 
 
 def smoke_out(out: str, explicit: bool) -> str:
@@ -643,22 +663,13 @@ def main(argv):
   f = flags.FLAGS
   out = f.out
   if f.smoke:
-    protocol, variants, pairs, lrs, seeds = (SMOKE[k] for k in ("protocol", "variants", "pairs", "lrs", "seeds"))
+    spec = SMOKE
     out = smoke_out(f.out, flags.FLAGS["out"].present)
     print(f"smoke run: cells in {out}")
   else:
-    protocol = Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
-                        train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                        implementation=f.implementation, eval_every=f.eval_every, reads=f.reads, order=f.order)
-    variants = tuple(f.variants)
-    pairs = (cli.items("pairs", f.pairs, cli.int_pair, "L:kv, two ints such as 256:64") if f.pairs
-             else tuple(dict.fromkeys(pair for cut in cli.choices("cut", f.cut, sorted(CUTS)) for pair in CUTS[cut])))
-    lrs, seeds = cli.floats("lrs", f.lrs), cli.ints("seeds", f.seeds, minimum=0)
-  for v in variants:
-    common.parse_variant(v)
+    spec = config.settings(Grid)
   if not f.report:
-    sweep(protocol, cells_of(variants, pairs, lrs, seeds), out, budget_s=f.budget_s, max_cells=f.max_cells,
-          workers=f.workers)
+    sweep(spec.protocol, spec.cells(), out, budget_s=spec.budget_s, max_cells=spec.max_cells, workers=spec.workers)
   text = report(out)
   (pathlib.Path(out) / "grid.md").write_text(text)
   print(text)
@@ -666,4 +677,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main)
+  cli.run(main, flags_parser=config.parse_flags)

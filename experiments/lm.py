@@ -8,8 +8,12 @@ the seeds, their range shaded).
 
   python -m experiments.lm                        # the default (bytes, the `mqar` size: d_model 128, 2 layers)
   python -m experiments.lm --smoke                # CI size
-  python -m experiments.lm --variants=dn,pdn,osdn --seeds=0,1,2 --steps=1000 --dtype=bfloat16
-  python -m experiments.lm --variants=gdn,pgdn,osdn-gdn --size=340m --tokenizer=bpe --vocab_size=32000 --dtype=bfloat16
+  python -m experiments.lm --config.variants=dn,pdn,osdn --config.seeds=0,1,2 --config.steps=1000 \
+      --config.dtype=bfloat16
+  python -m experiments.lm --config.variants=gdn,pgdn,osdn-gdn --config.size=340m --config.tokenizer=bpe \
+      --config.vocab_size=32000 --config.dtype=bfloat16
+
+The settings are `LM`'s fields, each `--config.FIELD=VALUE` (`experiments.config`; `--FIELD=VALUE` is the same).
 
 Writes OUT/lm.json (a row per variant and seed), OUT/lm.md and OUT/lm.png (training loss against tokens, one line
 per variant); work directories under OUT/runs/lm/. Parts of one comparison run apart (a process per variant or
@@ -25,10 +29,9 @@ import numpy as np
 
 from absl import flags
 
-from experiments import common
+from experiments import common, config
 from experiments.plot_run import read_metrics
-from osdn_jax import cli, plugins
-from osdn_jax.ops import dispatch
+from osdn_jax import cli
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -51,6 +54,7 @@ class LM:
 
   def __post_init__(self):
     common.check_variants(self.variants)      # an unknown one stops the comparison before anything trains
+    common.check_implementation(self.implementation)
 
   def config(self, variant: str, seed: int | None = None):
     """The trainer's config of one run (seed: default the first of `seeds`)."""
@@ -159,14 +163,7 @@ SMOKE = dict(variants=("dn",), size="tiny", seq_len=64, batch_size=2, steps=3, v
 def main(argv):
   del argv
   f = FLAGS
-  if f.smoke:
-    spec = LM(**SMOKE)
-  else:
-    seeds = cli.ints("seeds", f.seeds, minimum=0)
-    with cli.usage():
-      spec = LM(variants=tuple(f.variants), size=f.size, tokenizer=f.tokenizer, vocab_size=f.vocab_size,
-                seq_len=f.seq_len, batch_size=f.batch_size, steps=f.steps, lr=f.lr, dtype=f.dtype,
-                validation_batches=f.validation_batches, seeds=seeds, implementation=f.implementation)
+  spec = LM(**SMOKE) if f.smoke else config.settings(LM)
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, LM, upgrade=common.seed_to_seeds)
@@ -181,21 +178,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  d = LM()
-  plugins.define_imports_flag()
-  flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
-  flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
-  flags.DEFINE_string("tokenizer", d.tokenizer, "byte | bpe")
-  flags.DEFINE_integer("vocab_size", d.vocab_size, "the BPE's vocabulary (ignored for bytes)")
-  flags.DEFINE_integer("seq_len", d.seq_len, "tokens per row")
-  flags.DEFINE_integer("batch_size", d.batch_size, "rows per step")
-  flags.DEFINE_integer("steps", d.steps, "optimiser steps per variant")
-  flags.DEFINE_float("lr", d.lr, "peak learning rate")
-  flags.DEFINE_string("dtype", d.dtype, "compute dtype")
-  flags.DEFINE_integer("validation_batches", d.validation_batches, "validation batches")
-  flags.DEFINE_list("seeds", list(map(str, d.seeds)), "initialisation and data seeds: a run per variant and seed")
-  flags.DEFINE_enum("implementation", d.implementation, dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_bool("smoke", False, "the CI size")
-  flags.DEFINE_string("out", "results", "output directory")
-  flags.DEFINE_list("merge", [], "lm.json files of parts of one comparison: report them together")
-  cli.run(main)
+  common.define_flags(LM(), merge="lm.json")
+  cli.run(main, flags_parser=config.parse_flags)

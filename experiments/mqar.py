@@ -10,8 +10,11 @@ trained at N pairs and scored at every kv of the grid instead (a cheaper sweep, 
 
   python -m experiments.mqar                      # the default sweep (a GPU: minutes per run)
   python -m experiments.mqar --smoke              # CI size: two variants, one tiny cell, seconds on a CPU
-  python -m experiments.mqar --variants=dn,pdn --lengths=1024 --kv=32,64,128,256 --lrs=1e-3,3e-3
+  python -m experiments.mqar --config.variants=dn,pdn --config.lengths=1024 --config.kv=32,64,128,256 \
+      --config.lrs=1e-3,3e-3
   python -m experiments.mqar --merge=a/mqar.json,b/mqar.json   # one report from sweeps run in parallel
+
+The settings are `Sweep`'s fields, each `--config.FIELD=VALUE` (`experiments.config`; `--FIELD=VALUE` is the same).
 
 Writes OUT/mqar.json (every run), OUT/mqar.md (the table) and OUT/mqar.png (the heat-maps), and keeps each run's
 work directory under OUT/runs/mqar/ (a rerun resumes finished runs from their checkpoints instead of training).
@@ -24,10 +27,9 @@ import pathlib
 import numpy as np
 from absl import flags
 
-from experiments import common
-from osdn_jax import cli, plugins
+from experiments import common, config
+from osdn_jax import cli
 from osdn_jax.data import MQARSource
-from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -57,6 +59,7 @@ class Sweep:
 
   def __post_init__(self):
     check_grid(self.lengths, self.kv, self.train_kv)
+    common.check_implementation(self.implementation)
     common.check_variants(self.variants)
 
   def config(self, variant: str, length: int, kv: int, lr: float):
@@ -231,39 +234,18 @@ SMOKE = dict(variants=("dn",), lengths=(32,), kv=(4,), lrs=(3e-3,), steps=4, bat
 
 
 def define_flags(defaults: Sweep):
-  plugins.define_imports_flag()
-  flags.DEFINE_list("variants", list(defaults.variants), "registry points (name[:option=value,...])")
-  flags.DEFINE_list("lengths", [str(x) for x in defaults.lengths], "sequence lengths L")
-  flags.DEFINE_list("kv", [str(x) for x in defaults.kv], "key-value pairs per row")
-  flags.DEFINE_list("lrs", [str(x) for x in defaults.lrs], "peak learning rates (the best is reported)")
-  flags.DEFINE_integer("steps", defaults.steps, "optimiser steps per run")
-  flags.DEFINE_integer("batch_size", defaults.batch_size, "rows per step")
-  flags.DEFINE_string("size", defaults.size, "model size (`osdn_jax.models.SIZES`)")
-  flags.DEFINE_integer("vocab_size", defaults.vocab_size, "MQAR vocabulary")
-  flags.DEFINE_integer("train_examples", defaults.train_examples, "distinct training rows per cell")
-  flags.DEFINE_integer("test_examples", defaults.test_examples, "test rows per cell")
-  flags.DEFINE_enum("order", defaults.order, ["epoch", "replacement"], "the training rows' order (data.order)")
-  flags.DEFINE_integer("train_kv", defaults.train_kv, "0: a model per (L, kv); N: one per L trained at N pairs")
-  flags.DEFINE_integer("seed", defaults.seed, "initialisation and data seed")
-  flags.DEFINE_enum("implementation", defaults.implementation, dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_string("dtype", defaults.dtype, "compute dtype")
-  flags.DEFINE_bool("smoke", False, "the CI size (overrides the flags above)")
-  flags.DEFINE_string("out", "results", "output directory")
-  flags.DEFINE_list("merge", [], "mqar.json files of parts of one sweep: report them together, training nothing")
+  """The program's flags (`common.define_flags`): `defaults`'s fields are its --config.FIELD settings."""
+  common.define_flags(defaults, merge="mqar.json")
 
 
 def sweep_from_flags(**fixed) -> Sweep:
-  """The sweep the flags describe; `cli.UsageError` naming the flag for one it cannot take (before any work)."""
-  f = FLAGS
-  if f.smoke:
+  """The sweep the flags describe (`fixed`: fields set whatever the flags say); `cli.UsageError` naming the field
+  for a value it cannot take (before any work)."""
+  if FLAGS.smoke:
     return Sweep(**dict(SMOKE, **fixed))
-  lengths, kv = cli.ints("lengths", f.lengths, minimum=1), cli.ints("kv", f.kv, minimum=1)
-  lrs = cli.floats("lrs", f.lrs)
+  sweep = config.settings(Sweep)
   with cli.usage():
-    return Sweep(variants=tuple(f.variants), lengths=lengths, kv=kv, lrs=lrs, steps=f.steps, batch_size=f.batch_size,
-                 size=f.size, vocab_size=f.vocab_size, train_examples=f.train_examples,
-                 test_examples=f.test_examples, train_kv=f.train_kv, seed=f.seed, implementation=f.implementation,
-                 dtype=f.dtype, order=f.order, **fixed)
+    return dataclasses.replace(sweep, **fixed) if fixed else sweep
 
 
 def merged(payloads: list[dict]) -> tuple[Sweep, list[dict]]:
@@ -294,4 +276,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags(Sweep())
-  cli.run(main)
+  cli.run(main, flags_parser=config.parse_flags)

@@ -26,6 +26,7 @@ compared step by step. Two paths that compute the same thing agree to rounding u
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -36,9 +37,9 @@ import optax
 from absl import flags
 from flax import nnx
 
+from experiments import common, config
 from osdn_jax import cli, models, plugins
 from osdn_jax.data.recall import IGNORE, MQARSource
-from osdn_jax.ops import dispatch
 
 
 def rows(source: MQARSource, indices) -> tuple[np.ndarray, np.ndarray]:
@@ -136,21 +137,63 @@ def build(variant, vocab_size, size, implementation, dtype, seed):
   return nnx.split(model, nnx.Param)
 
 
-def train(variant: str = "dn", length: int = 256, kv: int = 64, lr: float = 3e-3, steps: int = 1500,
-          batch_size: int = 64, seed: int = 0, vocab_size: int = 8192, size: str = "mqar",
-          train_examples: int = 20_000, test_examples: int = 1000, implementation: str = "auto",
-          dtype: str = "float32", reads: int = 1, evals: int = 5, optimizer_name: str = "oracle",
-          order: str = "replacement", log=print) -> dict:
-  """Trains one model; returns {"accuracy", "curve": [(step, loss, accuracy)], "by_age", "steps_per_s"}. reads:
-  times the kv block is written before the queries (2: the read-twice rows, L + 2·kv tokens). optimizer_name:
-  "oracle" (`optimizer`) or "trainer" (the optimiser of the grid's cell config, `trainer_optimizer`), everything
-  else this loop's own. order: the training rows' order (`draw`). by_age: per curve point, the mean training loss
-  of the rows drawn since the last point by their age (`AGES`: steps since the row was last drawn) and their count,
-  {bucket: (mean loss, draws)}."""
-  if optimizer_name not in ("oracle", "trainer"):
-    raise ValueError(f"train: `optimizer_name` must be 'oracle' or 'trainer', got {optimizer_name!r}")
-  graph, params = build(variant, vocab_size, size, implementation, dtype, seed)
-  tx = optimizer(lr, steps) if optimizer_name == "oracle" else trainer_optimizer(variant, length, kv, lr, steps)
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+  """One run's settings, `--config.FIELD` on the command line (`experiments.config`): the cell (variant, L, kv,
+  learning rate, seed), the protocol (steps of batch_size rows in `order` from train_examples distinct rows,
+  vocabulary, model size, test rows, implementation, dtype, reads), the learning curve's points (evals), the
+  optimiser ("oracle": `optimizer`; "trainer": the grid's, `trainer_optimizer`). follow > 0: compare this many
+  steps of the grid's path with this loop's (`follow`, the module docstring), its rows drawn by `workers`
+  processes."""
+  variant: str = "dn"
+  length: int = 256
+  kv: int = 64
+  lr: float = 3e-3
+  steps: int = 1500
+  batch_size: int = 64
+  seed: int = 0
+  vocab_size: int = 8192
+  size: str = "mqar"
+  train_examples: int = 20_000
+  test_examples: int = 1000
+  implementation: str = "auto"
+  dtype: str = "float32"
+  reads: int = 1
+  evals: int = 5
+  optimizer: str = "oracle"
+  order: str = "replacement"
+  follow: int = 0
+  workers: int = 0
+
+  def __post_init__(self):
+    if self.optimizer not in ("oracle", "trainer"):
+      raise ValueError(f"mqar_oracle: `optimizer` must be 'oracle' or 'trainer', got {self.optimizer!r}")
+    if self.order not in ORDERS:
+      raise ValueError(f"mqar_oracle: `order` must be one of {ORDERS}, got {self.order!r}")
+    common.check_implementation(self.implementation)
+
+  def protocol(self):
+    """The grid's protocol of these settings (`experiments.grid.Protocol`, one curve point at the end)."""
+    from experiments import grid
+    return grid.Protocol(steps=self.steps, batch_size=self.batch_size, vocab_size=self.vocab_size, size=self.size,
+                         train_examples=self.train_examples, test_examples=self.test_examples, dtype=self.dtype,
+                         implementation=self.implementation, eval_every=self.steps, reads=self.reads,
+                         order=self.order)
+
+
+def train(spec: Oracle | None = None, log=print, **fields) -> dict:
+  """Trains one model (`spec`, default `Oracle()`, with `fields` replaced); returns {"accuracy", "curve": [(step,
+  loss, accuracy)], "by_age", "steps_per_s"}. reads: times the kv block is written before the queries (2: the
+  read-twice rows, L + 2·kv tokens). optimizer: "oracle" (`optimizer`) or "trainer" (the optimiser of the grid's
+  cell config, `trainer_optimizer`), everything else this loop's own. order: the training rows' order (`draw`).
+  by_age: per curve point, the mean training loss of the rows drawn since the last point by their age (`AGES`:
+  steps since the row was last drawn) and their count, {bucket: (mean loss, draws)}."""
+  spec = dataclasses.replace(spec or Oracle(), **fields)
+  variant, length, kv, lr, steps, seed = spec.variant, spec.length, spec.kv, spec.lr, spec.steps, spec.seed
+  batch_size, train_examples, test_examples = spec.batch_size, spec.train_examples, spec.test_examples
+  vocab_size, reads, order, evals = spec.vocab_size, spec.reads, spec.order, spec.evals
+  graph, params = build(variant, vocab_size, spec.size, spec.implementation, spec.dtype, seed)
+  tx = optimizer(lr, steps) if spec.optimizer == "oracle" else trainer_optimizer(variant, length, kv, lr, steps)
   opt_state = tx.init(params)
   step = make_step(graph, tx)
 
@@ -227,53 +270,29 @@ def follow(protocol, cell, steps: int, optimizer_name: str = "oracle", workers: 
 
 
 def define_flags():
+  """The program's flags: --recurrence, and `Oracle`'s fields as --config.FIELD (`experiments.config`)."""
   plugins.define_imports_flag()
-  flags.DEFINE_string("variant", "dn", "registry point")
-  flags.DEFINE_integer("length", 256, "row length L")
-  flags.DEFINE_integer("kv", 64, "key-value pairs")
-  flags.DEFINE_float("lr", 3e-3, "peak learning rate")
-  flags.DEFINE_integer("steps", 1500, "optimiser steps (with --follow: the schedule's length)")
-  flags.DEFINE_integer("batch_size", 64, "rows per step")
-  flags.DEFINE_integer("seed", 0, "initialisation and data seed")
-  flags.DEFINE_integer("vocab_size", 8192, "vocabulary")
-  flags.DEFINE_string("size", "mqar", "model size")
-  flags.DEFINE_integer("train_examples", 20_000, "distinct training rows")
-  flags.DEFINE_integer("test_examples", 1000, "test rows")
-  flags.DEFINE_enum("implementation", "auto", dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_string("dtype", "float32", "compute dtype")
-  flags.DEFINE_integer("reads", 1, "times the kv block is read before the queries (1 or 2)")
-  flags.DEFINE_integer("follow", 0, "> 0: compare this many steps of the grid's path with this loop's (docstring)")
-  flags.DEFINE_enum("optimizer", "oracle", ["oracle", "trainer"],
-                    "this loop's AdamW or the grid's (trainer config); with --follow, of both paths")
-  flags.DEFINE_integer("workers", 0, "with --follow: processes drawing the grid's training rows")
-  flags.DEFINE_enum("order", "replacement", ORDERS, "the training rows' order (`draw`; with --follow: the grid's)")
-  flags.DEFINE_integer("evals", 5, "points of the learning curve")
-  flags.DEFINE_bool("recurrence", False, "print how the rows of --order recur (`recurrence`), training nothing")
+  flags.DEFINE_bool("recurrence", False, "print how the rows of the order recur (`recurrence`), training nothing")
+  config.define(Oracle())
 
 
 def main(argv):
   del argv
-  f = flags.FLAGS
-  if f.recurrence:
-    print(json.dumps(recurrence(draw(f.order, f.seed, f.train_examples, f.steps, f.batch_size))))
+  spec = config.settings(Oracle)
+  if flags.FLAGS.recurrence:
+    print(json.dumps(recurrence(draw(spec.order, spec.seed, spec.train_examples, spec.steps, spec.batch_size))))
     return
-  if f.follow:
+  if spec.follow:
     from experiments import grid
-    protocol = grid.Protocol(steps=f.steps, batch_size=f.batch_size, vocab_size=f.vocab_size, size=f.size,
-                             train_examples=f.train_examples, test_examples=f.test_examples, dtype=f.dtype,
-                             implementation=f.implementation, eval_every=f.steps, reads=f.reads, order=f.order)
-    result = follow(protocol, grid.Cell(f.variant, f.length, f.kv, f.lr, f.seed), f.follow, f.optimizer,
-                    workers=f.workers)
-    at = sorted({n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= f.follow} | {f.follow})
+    result = follow(spec.protocol(), grid.Cell(spec.variant, spec.length, spec.kv, spec.lr, spec.seed), spec.follow,
+                    spec.optimizer, workers=spec.workers)
+    at = sorted({n for n in (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000) if n <= spec.follow} | {spec.follow})
     print(json.dumps(dict(steps=at, grid=[result["grid"][n - 1] for n in at],
                           oracle=[result["oracle"][n - 1] for n in at], max_rel_diff=result["max_rel_diff"])))
     return
-  result = train(f.variant, f.length, f.kv, f.lr, f.steps, f.batch_size, f.seed,
-                 f.vocab_size, f.size, f.train_examples, f.test_examples, implementation=f.implementation,
-                 dtype=f.dtype, reads=f.reads, evals=f.evals, optimizer_name=f.optimizer, order=f.order)
-  print(json.dumps(result))
+  print(json.dumps(train(spec)))
 
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main)
+  cli.run(main, flags_parser=config.parse_flags)

@@ -5,10 +5,12 @@ needle at several depths; the score is the exact match of the greedily generated
 
   python -m experiments.passkey                   # the default grid (a GPU)
   python -m experiments.passkey --smoke           # CI size
-  python -m experiments.passkey --variants=dn,pdn,osdn --train_length=512 --lengths=512,1024,2048
-  python -m experiments.passkey --variants=gdn,pgdn --seeds=0,1,2
+  python -m experiments.passkey --config.variants=dn,pdn,osdn --config.train_length=512 \
+      --config.lengths=512,1024,2048
+  python -m experiments.passkey --config.variants=gdn,pgdn --config.seeds=0,1,2
 
-Each variant trains once per seed (`--seeds`: the seed sets the initialisation, the data order and the test
+The settings are `Passkey`'s fields, each `--config.FIELD=VALUE` (`experiments.config`; `--FIELD=VALUE` is the
+same). Each variant trains once per seed (`seeds`: the seed sets the initialisation, the data order and the test
 haystacks). Writes OUT/passkey.json (exact match per variant, seed, length and depth), OUT/passkey.md (per variant
 and length the mean over depths and seeds; with several seeds, each seed's overall score too) and
 OUT/passkey.png (a heat-map of depth × length per variant, the mean over seeds); work directories under
@@ -23,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import common
-from osdn_jax import cli, models, plugins
+from experiments import common, config
+from osdn_jax import cli, models
 from osdn_jax.data import PasskeySource
-from osdn_jax.ops import dispatch
 from osdn_jax.train import get_config
 
 FLAGS = flags.FLAGS
@@ -60,6 +61,7 @@ class Passkey:
       except ValueError as e:
         raise ValueError(f"passkey: `{name}` {length}: {e}") from None
     common.check_variants(self.variants)
+    common.check_implementation(self.implementation)
 
   def config(self, variant: str, seed: int | None = None):
     """The trainer's config of one run (seed: default the first of `seeds`)."""
@@ -165,15 +167,7 @@ SMOKE = dict(variants=("dn",), train_length=200, lengths=(200, 240), depths=(0.0
 def main(argv):
   del argv
   f = FLAGS
-  if f.smoke:
-    spec = Passkey(**SMOKE)
-  else:
-    lengths, depths = cli.ints("lengths", f.lengths), cli.floats("depths", f.depths)
-    seeds = cli.ints("seeds", f.seeds, minimum=0)
-    with cli.usage():
-      spec = Passkey(variants=tuple(f.variants), train_length=f.train_length, lengths=lengths, depths=depths,
-                     steps=f.steps, batch_size=f.batch_size, lr=f.lr, size=f.size, test_examples=f.test_examples,
-                     seeds=seeds, implementation=f.implementation)
+  spec = Passkey(**SMOKE) if f.smoke else config.settings(Passkey)
   provenance = None
   if f.merge:   # parts of one comparison run in parallel (a process per variant or per seed): one report
     spec, rows, provenance = common.merge_parts(f.merge, Passkey, upgrade=common.seed_to_seeds)
@@ -188,20 +182,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  d = Passkey()
-  plugins.define_imports_flag()
-  flags.DEFINE_list("variants", list(d.variants), "registry points (name[:option=value,...])")
-  flags.DEFINE_integer("train_length", d.train_length, "bytes per training row")
-  flags.DEFINE_list("lengths", [str(x) for x in d.lengths], "haystack lengths scored (bytes)")
-  flags.DEFINE_list("depths", [str(x) for x in d.depths], "needle depths scored, in [0, 1]")
-  flags.DEFINE_integer("steps", d.steps, "optimiser steps per variant")
-  flags.DEFINE_integer("batch_size", d.batch_size, "rows per step")
-  flags.DEFINE_float("lr", d.lr, "peak learning rate")
-  flags.DEFINE_string("size", d.size, "model size (`osdn_jax.models.SIZES`)")
-  flags.DEFINE_integer("test_examples", d.test_examples, "haystacks per (length, depth)")
-  flags.DEFINE_list("seeds", list(map(str, d.seeds)), "initialisation, data and test seeds (a run each)")
-  flags.DEFINE_enum("implementation", d.implementation, dispatch.NAMES, "the ops' implementation")
-  flags.DEFINE_bool("smoke", False, "the CI size")
-  flags.DEFINE_string("out", "results", "output directory")
-  flags.DEFINE_list("merge", [], "passkey.json files of parts of one comparison: report them together")
-  cli.run(main)
+  common.define_flags(Passkey(), merge="passkey.json")
+  cli.run(main, flags_parser=config.parse_flags)

@@ -4,11 +4,12 @@ claims its gain. Per variant and cell: accuracy once and twice, the best over le
 
   python -m experiments.recall                    # the default grid (a GPU)
   python -m experiments.recall --smoke            # CI size
-  python -m experiments.recall --variants=dn,osdn,osdn-apf,dn-fixed-d --lengths=512 --kv=64,128
+  python -m experiments.recall --config.variants=dn,osdn,osdn-apf,dn-fixed-d --config.lengths=512 --config.kv=64,128
   python -m experiments.recall --merge=a/recall.json,b/recall.json    # one report from parts run in parallel
 
-Takes experiments.mqar's flags. Writes OUT/recall.json, OUT/recall.md and OUT/recall.png (accuracy once and
-twice per variant); each run's work directory stays under OUT/runs/recall/.
+Takes experiments.mqar's settings (`mqar.Sweep`, `--config.FIELD=VALUE`; `reads` is set by the comparison). Writes
+OUT/recall.json, OUT/recall.md and OUT/recall.png (accuracy once and twice per variant); each run's work directory
+stays under OUT/runs/recall/.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import dataclasses
 import numpy as np
 from absl import flags
 
-from experiments import common, mqar
+from experiments import common, config, mqar
 from osdn_jax import cli
 
 FLAGS = flags.FLAGS
@@ -86,4 +87,4 @@ def main(argv):
 
 if __name__ == "__main__":
   mqar.define_flags(mqar.Sweep(lengths=(256,), kv=(16, 32, 64)))
-  cli.run(main)
+  cli.run(main, flags_parser=config.parse_flags)

@@ -7,29 +7,39 @@ decoding (one token at a time) in fp64; then the diagnostics of the run: q_geo (
 measured through the recurrence), the range of the per-step eigenvalues, max ‖S_t‖₂ and the recall residual
 of the final state on all stored pairs; and the forward time of each implementation.
 
-  python -m experiments.tour [--batch 2 --length 256 --heads 2 --value_heads 4 --dim 32 --chunk 64]
+  python -m experiments.tour [--config.batch=2 --config.length=256 --config.heads=2 --config.value_heads=4 \
+      --config.dim=32 --config.chunk=64]
+
+The settings are `Tour`'s fields, each `--config.FIELD=VALUE` (`experiments.config`; `--FIELD=VALUE` is the same).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
-
-from osdn_jax import cli, dgps, diagnostics, plugins
+from experiments import config
+from osdn_jax import dgps, diagnostics, plugins
 from osdn_jax.testing import random_point_inputs, rel_rms
 
-_B = flags.DEFINE_integer("batch", 2, "B")
-_T = flags.DEFINE_integer("length", 256, "T")
-_H = flags.DEFINE_integer("heads", 2, "H (key heads)")
-_HV = flags.DEFINE_integer("value_heads", 4, "HV (value heads, a multiple of H)")
-_D = flags.DEFINE_integer("dim", 32, "K = V")
-_CHUNK = flags.DEFINE_integer("chunk", 64, "chunk size")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per implementation (median)")
-_POINTS = flags.DEFINE_list("points", [], "registry keys to tour (default: all)")
-plugins.define_imports_flag()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tour:
+  """The tour's sizes: B, T, H (key heads), HV (value heads, a multiple of H), K = V, the chunk size; the timed runs
+  per implementation (their median is reported); the registry keys toured (default: all)."""
+  batch: int = 2
+  length: int = 256
+  heads: int = 2
+  value_heads: int = 4
+  dim: int = 32
+  chunk: int = 64
+  repeats: int = 3
+  points: tuple[str, ...] = ()
+
+
 _EIG_TOKENS = 64   # per-step spectra are dense eigen-decompositions: only the first tokens
 
 
@@ -79,15 +89,16 @@ def _diagnostics(point, inputs):
 def main(argv):
   del argv
   jax.config.update("jax_enable_x64", True)
-  dims = dgps.Dims(_H.value, _HV.value, _D.value, _D.value)
-  b, t, c = _B.value, _T.value, _CHUNK.value
+  spec = config.settings(Tour)
+  dims = dgps.Dims(spec.heads, spec.value_heads, spec.dim, spec.dim)
+  b, t, c = spec.batch, spec.length, spec.chunk
   print(f"backend {jax.default_backend()}, jax {jax.__version__}; B={b} T={t} H={dims.heads} HV={dims.value_heads} "
         f"K=V={dims.key_dim} chunk={c}; errors: relative RMS, chunked fp32 vs the point's token-serial fp64")
   head = (f"{'point':<13} {'D/G/P/S':<31} {'err o':>7} {'err S':>7} {'err ∇':>7} {'chain':>7} {'decode':>7} "
           f"{'q_geo':>6} {'q_geo*':>6} "
           f"{'min Reλ':>7} {'max|λ|':>6} {'max‖S‖':>7} {'recall':>7} {'xla ms':>7} {'ref ms':>8}")
   print(head + "\n" + "-" * len(head))
-  for name in _POINTS.value or dgps.names():
+  for name in spec.points or dgps.names():
     point = dgps.get(name)
     inputs = random_point_inputs(point, dims, seed=0, B=b, T=t)
     (o, st), g = _run_with_grads(point, inputs, "xla", jnp.float32, c)
@@ -99,8 +110,8 @@ def main(argv):
     print(f"{name:<13} {axes:<31} {rel_rms(o, o_ref):7.1e} {rel_rms(st['S'], st_ref['S']):7.1e} {err_g:7.1e} "
           f"{report['chaining']:7.1e} {report['decoding']:7.1e}{'' if report['ok'] else '!'} "
           f"{qg:>6} {qm:>6} {lo:>7} {hi:>6} {smax:7.3f} {recall:7.3f} "
-          f"{_median_ms(point, inputs, 'xla', c, _REPEATS.value):7.2f} "
-          f"{_median_ms(point, inputs, 'reference', c, _REPEATS.value):8.2f}", flush=True)
+          f"{_median_ms(point, inputs, 'xla', c, spec.repeats):7.2f} "
+          f"{_median_ms(point, inputs, 'reference', c, spec.repeats):8.2f}", flush=True)
   print("chain, decode: `dgps.check_point` (! where a check exceeds its tolerance). q_geo: exp(mean log "
         "(1 − β⟨k, k̃⟩)²) from the gates; q_geo*: measured through the recurrence. λ: the "
         f"per-step transition's eigenvalues (first {_EIG_TOKENS} tokens, decay included). max‖S‖: largest "
@@ -109,4 +120,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  plugins.define_imports_flag()
+  config.run(main, Tour())

@@ -123,15 +123,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(text or type(e).__name__, USAGE)
 
 
-def run(main: Callable[[list[str]], object], argv: list[str] | None = None) -> None:
-  """absl's `app.run(main)` with --debug and one-line errors (module docstring)."""
+def run(main: Callable[[list[str]], object], argv: list[str] | None = None,
+        flags_parser: Callable[[list[str]], list[str]] | None = None) -> None:
+  """absl's `app.run(main)` with --debug and one-line errors (module docstring); flags_parser: default
+  `parse_flags` (one that ends a usage error through `fail` as it does)."""
   from absl import app
   define_debug_flag()
 
   def guarded(args):
     with handled():
       return main(args)
-  app.run(guarded, argv=argv, flags_parser=parse_flags)
+  app.run(guarded, argv=argv, flags_parser=flags_parser or parse_flags)
 
 
 # -- the values of list flags -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ name like a built-in one:
     dgps.register(dgps.compose(decay="scalar", precond="pdn", name="my-pgdn"))
 
     python -m osdn_jax.train --imports=my_points --config=tiny --config.model=my-pgdn-tiny --workdir=runs/mine
-    python -m experiments.mqar --imports=my_points --variants=gdn,my-pgdn
+    python -m experiments.mqar --imports=my_points --config.variants=gdn,my-pgdn
 
 The trainer (`python -m osdn_jax.train`, `osdn_jax.train.aot`) and every experiment that takes variant or point
 names define the flag through `define_imports_flag`. It lives at the package's top rather than in

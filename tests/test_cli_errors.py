@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -94,28 +95,60 @@ def test_experiment_flags_that_cannot_work_are_one_line_before_any_work(tmp_path
       "depths": ("experiments.passkey", ["--depths=1.5", "--steps=1", f"--out={out}"]),
   }, ROOT)
   _one_line(results["recall"], 2, "error: ", "`kv` 100", "lengths")
-  _one_line(results["pairs"], 2, "--pairs=abc", "'abc'", "256:64")
+  _one_line(results["pairs"], 2, "--config.pairs=abc", "'abc'", "256:64")
   _one_line(results["depths"], 2, "`depths`", "[0, 1]", "1.5")
   assert not pathlib.Path(out).exists()
 
 
 @pytest.mark.parametrize("program,args,match", [
     ("mqar", ["--kv=100", "--lengths=32"], r"`kv` 100 fits none of `lengths` \(32,\)"),
-    ("mqar", ["--lrs=1e-3,fast"], r"--lrs=1e-3,fast: 'fast' is not a number"),
-    ("grid", ["--lrs=abc"], r"--lrs=abc: 'abc' is not a number"),
-    ("grid", ["--cut=z"], r"--cut=z: 'z' is not one of a, b, c"),
-    ("grid", ["--seeds=0,x"], r"--seeds=0,x: 'x' is not an int ≥ 0"),
+    ("mqar", ["--lrs=1e-3,fast"], r"--config.lrs=1e-3,fast: 'fast' is not a number"),
+    ("mqar", ["--config.lrs=1e-3,fast"], r"--config.lrs=1e-3,fast: 'fast' is not a number"),
+    ("grid", ["--lrs=abc"], r"--config.lrs=abc: 'abc' is not a number"),
+    ("grid", ["--cut=z"], r"`cut` 'z' is not one of a, b, c"),
+    ("grid", ["--seeds=0,x"], r"--config.seeds=0,x: 'x' is not an int"),
+    ("grid", ["--seeds=-1"], r"`seeds` -1 is not an int ≥ 0"),
+    ("grid", ["--stpes=3"], r"--stpes is not a flag of this program.*did you mean --config.steps"),
+    ("grid", ["--config.stpes=3"], r"--config.stpes: Grid has no field 'stpes'; did you mean --config.steps"),
 ])
-def test_experiment_mains_check_their_flags_first(absl_flags, tmp_path, program, args, match):
-  """The mains (in this process, flags defined as their programs define them) raise a `cli.UsageError` naming the
-  flag before any work: nothing is written to --out."""
-  from experiments import grid, mqar
+def test_experiment_mains_check_their_flags_first(absl_flags, capsys, tmp_path, program, args, match):
+  """The flags as their programs parse them (in this process): a value a field cannot take, a field that does not
+  exist or a flag that names none is one line naming it and its --config.* form (exit status 2); a setting the
+  experiment refuses is a `cli.UsageError` from its main. Either comes before any work: nothing is written."""
+  from experiments import config, grid, mqar
   module = {"mqar": mqar, "grid": grid}[program]
   grid.define_flags() if program == "grid" else mqar.define_flags(mqar.Sweep())
-  absl_flags([program, *args, f"--out={tmp_path / 'out'}"])
-  with pytest.raises(cli.UsageError, match=match):
-    module.main([program])
+  try:
+    config.parse_flags([program, *args, f"--out={tmp_path / 'out'}"])
+  except SystemExit as e:
+    assert e.code == cli.USAGE
+    message = capsys.readouterr().err
+    assert message.startswith("error: ") and message.count("\n") == 1, message
+  else:
+    with pytest.raises(cli.UsageError) as e:
+      module.main([program])
+    message = str(e.value)
+  assert re.search(match, message), message
   assert not (tmp_path / "out").exists()
+
+
+def test_old_flag_spellings_are_the_config_fields_they_name(absl_flags):
+  """A field's short spelling (--FIELD=VALUE, --FIELD VALUE, a section's --SECTION_FIELD) is its --config.* override;
+  a flag a nested config holds under several sections is refused with each of their --config.* forms."""
+  from experiments import clip, config, grid
+  grid.define_flags()
+  config.parse_flags(["grid", "--pairs=1024:32,1024:64", "--variants=pdn", "--lrs", "1e-3", "--config.seeds=2",
+                      "--steps=10", "--order=epoch", "--reads=2", "--budget_s=5", "--max_cells=3",
+                      "--train_examples=100", "--cut=a", "--report"])
+  spec = config.settings(grid.Grid)
+  assert (spec.pairs, spec.variants, spec.lrs, spec.seeds) == (((1024, 32), (1024, 64)), ("pdn",), (1e-3,), (2,))
+  assert (spec.steps, spec.order, spec.reads, spec.budget_s, spec.max_cells) == (10, "epoch", 2, 5.0, 3)
+  assert (spec.train_examples, spec.cut, absl_flags.report) == (100, ("a",), True)
+  assert spec.protocol == grid.Protocol(steps=10, order="epoch", reads=2, train_examples=100)
+  short = config.short_names(config.to_config(clip.Clip()))
+  assert short["text_steps"] == "text.steps" and short["mqar_rows"] == "mqar_rows" and "steps" not in short
+  with pytest.raises(cli.UsageError, match=r"--steps is not a flag.*--config.mqar.steps or --config.text.steps"):
+    config.translate(["clip", "--steps=3"], config.to_config(clip.Clip()))
 
 
 def test_prepare_errors_are_one_line_and_leave_no_output(tmp_path):

@@ -84,7 +84,7 @@ def test_experiment_measures_an_imported_point_by_name(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   payload = json.loads((cwd / "out" / "mqar.json").read_text())
   assert [r["variant"] for r in payload["runs"]] == ["my-pgdn:x=3.0"]
-  assert payload["command"].startswith("python -m experiments.mqar --imports=my_points --variants=my-pgdn:x=3.0")
+  assert payload["command"].startswith("python -m experiments.mqar --imports=my_points --config.variants=my-pgdn:x=3.0")
 
 
 def test_experiment_names_a_module_it_cannot_import(tmp_path):

@@ -77,7 +77,7 @@ def test_mqar_merge_reports_parts_together(tmp_path, compilation_cache):
   _run("mqar", out, compilation_cache, "--merge=" + ",".join(parts))
   payload = json.loads((out / "mqar.json").read_text())
   assert payload["device"] == "NVIDIA H200" and payload["date"] == "2026-12-02"
-  assert "--variants=dn,pdn" in payload["command"] and "--merge" not in payload["command"]
+  assert "--config.variants=dn,pdn" in payload["command"] and "--merge" not in payload["command"]
   table = (out / "mqar.md").read_text()
   assert "\n| dn | 25.0 |" in table and "\n| pdn | 50.0 |" in table
   assert not (out / "runs").exists()
@@ -112,7 +112,8 @@ def test_variant_config_sets_model_and_options():
 
 def test_command_lists_the_settings_that_differ():
   sweep = mqar.Sweep(variants=("dn", "pdn"), lengths=(1024,), steps=10)
-  assert common.command("mqar", sweep) == "python -m experiments.mqar --variants=dn,pdn --lengths=1024 --steps=10"
+  assert common.command("mqar", sweep) == ("python -m experiments.mqar --config.variants=dn,pdn --config.lengths=1024 "
+                                          "--config.steps=10")
   assert common.command("mqar", mqar.Sweep()) == "python -m experiments.mqar"
 
 
@@ -207,7 +208,7 @@ def test_lm_merges_a_one_seed_file_with_other_seeds(tmp_path, compilation_cache)
     out = tmp_path / name
     _run("lm", out, compilation_cache, "--merge=" + ",".join(str(p / "lm.json") for p in parts))
     payload = json.loads((out / "lm.json").read_text())
-    assert "--seeds=0,1" in payload["command"]
+    assert "--config.seeds=0,1" in payload["command"]
     assert "| dn | 2.5000 | 1.0000 | 2.0000 / 3.0000 |" in (out / "lm.md").read_text()
 
 

@@ -82,11 +82,11 @@ def test_the_oracles_orders_and_their_recurrence():
 def test_the_oracles_optimisers():
   """The oracle trains with its own AdamW or the grid's (`trainer_optimizer`, the one `follow` checks against the
   grid's step above); another name is refused before anything is built."""
-  with pytest.raises(ValueError, match="optimizer_name"):
-    mqar_oracle.train(steps=1, optimizer_name="adam")
+  with pytest.raises(ValueError, match="`optimizer`"):
+    mqar_oracle.train(steps=1, optimizer="adam")
   short = dict(length=16, kv=2, lr=1e-2, steps=4, batch_size=4, vocab_size=64, size="tiny", train_examples=16,
                test_examples=8, implementation="xla", evals=1, log=lambda *_: None)
-  runs = [mqar_oracle.train(optimizer_name=name, **short) for name in ("oracle", "trainer")]
+  runs = [mqar_oracle.train(optimizer=name, **short) for name in ("oracle", "trainer")]
   assert runs[0]["curve"][-1][1] != runs[1]["curve"][-1][1]
 
 
@@ -266,12 +266,14 @@ def test_a_damaged_partial_state_restarts_its_group_with_a_warning(tmp_path, dam
       raise KeyboardInterrupt
   with pytest.raises(KeyboardInterrupt):
     grid.Group(TINY, cells).run(log=stop, partial=prefix)
-  arrays = prefix.with_suffix(".npz")
+  (step,) = [d for d in prefix.iterdir() if d.name.isdigit()]       # the trainer's checkpoint of step 3
+  arrays = max((f for f in step.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
   data = arrays.read_bytes()
   arrays.write_bytes(data[:100] + np.random.default_rng(0).bytes(64) if damage == "bytes" else data[:len(data) // 2])
   logs = []
   again = grid.Group(TINY, cells).run(log=logs.append, partial=prefix)
   assert any("damaged" in line and str(prefix) in line for line in logs), logs
+  assert len(list(prefix.glob("3.damaged-*"))) == 1              # kept, beside nothing else once the group ends
   assert [p["loss"] for p in again[0]["curve"]] == [p["loss"] for p in whole[0]["curve"]]
 
 

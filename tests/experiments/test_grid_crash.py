@@ -1,8 +1,9 @@
 """`experiments.grid` killed at any moment: the next run resumes each group from its state saved at its last curve
 point (OUT/partial/) and writes the cells an uninterrupted run writes.
 
-The state is saved through a temporary file and a rename, and so is each cell's file, so no kill leaves a file
-that the next run finds damaged (slow: a `python -m experiments.grid` subprocess killed at random times)."""
+The state is saved as the trainer's checkpoints (`osdn_jax.train.checkpoints`: a temporary directory renamed when
+complete), and each cell's file through a temporary file and a rename, so no kill leaves a file that the next run
+finds damaged (slow: a `python -m experiments.grid` subprocess killed at random times)."""
 import json
 import os
 import pathlib
@@ -46,12 +47,8 @@ def _started(log: pathlib.Path, proc: subprocess.Popen) -> None:
 
 
 def _saved_step(out: pathlib.Path) -> int:
-  """The step of the group's saved state (0: none)."""
-  saved = list((out / "partial").glob("*.npz"))
-  if not saved:
-    return 0
-  with np.load(saved[0]) as data:
-    return json.loads(data["meta"].tobytes().decode())["step"]
+  """The step of the group's newest saved state (a checkpoint directory named by its step; 0: none)."""
+  return max((int(p.name) for p in (out / "partial").glob("*/*") if p.name.isdigit()), default=0)
 
 
 def _cells(out: pathlib.Path) -> dict:

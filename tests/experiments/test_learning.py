@@ -58,9 +58,9 @@ def test_trainer_learns_mqar_past_the_cusp(seed):
 def test_the_oracle_loop_learns_the_same_cell():
   """The independent loop (`experiments.mqar_oracle`) is past the cusp on the same cell too."""
   c = CELL
-  result = mqar_oracle.train("dn", c["length"], c["kv"], c["lr"], c["steps"], c["batch_size"], 0, c["vocab_size"],
-                             c["size"], train_examples=20_000, test_examples=500, implementation="xla",
-                             log=lambda *_: None)
+  result = mqar_oracle.train(variant="dn", length=c["length"], kv=c["kv"], lr=c["lr"], steps=c["steps"],
+                             batch_size=c["batch_size"], seed=0, vocab_size=c["vocab_size"], size=c["size"],
+                             train_examples=20_000, test_examples=500, implementation="xla", log=lambda *_: None)
   assert result["accuracy"] > 0.9
 
 
