@@ -74,6 +74,10 @@ def test_trainer_names_a_module_it_cannot_import(tmp_path):
 
 
 # -- an experiment -----------------------------------------------------------------------------------------
+# The slow step: `make test` covers its pieces with test_trainer_trains_a_point_an_imported_module_registers (an
+# --imports module's point, with an option, trains), test_experiment_names_a_module_it_cannot_import (the
+# experiments read --imports) and tests/experiments/test_clis.py::test_registered_point_joins_experiments_by_name.
+@pytest.mark.slow
 def test_experiment_measures_an_imported_point_by_name(tmp_path):
   """experiments.mqar trains and scores `my-pgdn` (with an option) named in --variants; the command its results
   record reruns it with the same --imports."""

@@ -7,6 +7,7 @@ Interpret mode is slow: small shapes (B = 2, T ≈ 70, G ≤ 4, K ≤ 24), each 
 """
 import contextlib
 import dataclasses
+import functools
 import subprocess
 import sys
 
@@ -100,8 +101,11 @@ CASES = {"r1-clip": (1, "zero", False, 8.0, 0.0, 2.0),
          "apf-init-noclip": (6, "init", True, 0.8, None, None)}
 
 
-# `make test`: four cases that take every anchor, both retentions and every clip (both bounds, upper, none).
-SLOW_CASES = ("apf-init-clip", "apf-init-noclip")
+# `make test`: the upper bound alone (APF toward d_init) and no clip (r ≡ 1). Both bounds run in the gate through
+# tests/kernels/test_conformance_precond.py (this kernel on "apf_init-clip" and "r1-packed-clip"),
+# test_keys_read_by_the_kernels["r1-f32"], test_chain_and_restart["zero"] and test_extreme_gates[True-xla]
+# (APF toward 0); the slow step runs every case.
+SLOW_CASES = ("r1-clip", "apf-zero-clip", "apf-init-clip", "apf-init-noclip")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_CASES else []) for c in CASES])
@@ -156,7 +160,10 @@ def test_block_solve_hypothesis():
   """The block solves (`_block_solve`, `_block_adjoint`, plain JAX here, with the reference tables) accept a
   block where the clip never acts, with the forward values of the token-serial scan, and reject the blocks
   where it does (the kernels then run them token by token); the kernel over all blocks matches the scan in
-  values and gradients. Also: retentions exactly 0 and 1 without the clip (every block accepted)."""
+  values and gradients."""
+  block_solve = jax.jit(osdn_blocks.block_solve, static_argnums=0)
+  block_adjoint = jax.jit(osdn_blocks.block_adjoint, static_argnums=0)
+  forward = jax.jit(osdn_forward.forward, static_argnums=0)
   a, L, eta, hi = _block_inputs(0), 16, 1.0, 2.0
   st = Static(batch=1, length=64, heads=1, key_dim=16, eta=eta, d_min=0.0, d_max=hi, mode="none",
                    config=osdn.INTERPRET, interpret=True)
@@ -169,22 +176,21 @@ def test_block_solve_hypothesis():
   for i in range(4):
     sl = slice(i * L, (i + 1) * L)
     u, b, n = a["u"][0, sl, 0], a["beta"][0, sl, 0], a["n"][0, sl, 0]
-    D, d_next, ok, smooth = osdn_blocks.block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0],
-                                              None)
+    D, d_next, ok, smooth = block_solve(st, u, b, n, None, None, ds[0, i * L, 0], tf[0, i, 0], wf[0, i, 0], None)
     fwd_ok.append(bool(ok))
     smooth_ok.append(bool(smooth))
     if ok:
       np.testing.assert_allclose(D, ds[0, sl, 0], rtol=2e-6, atol=2e-6)
       np.testing.assert_allclose(d_next, ds[0, (i + 1) * L, 0], rtol=2e-6, atol=2e-6)
-    bwd_ok.append(bool(osdn_blocks.block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
-                                           tb[0, i, 0], wb[0, i, 0], None)[-1]))
+    bwd_ok.append(bool(block_adjoint(st, u, ds[0, sl, 0], g[0, sl, 0], b, n, None, None, g[0, 0, 0],
+                                     tb[0, i, 0], wb[0, i, 0], None)[-1]))
   assert fwd_ok == smooth_ok == bwd_ok == [True, False, False, False], (fwd_ok, smooth_ok, bwd_ok)
   # The forward kernel stores that flag per block for the split backward (which runs flagged blocks as a λ
   # chain): 1 for block 0 only here; 1 everywhere when the bounds are never reached.
   for lo_hi, want_flags in (((0.0, hi), [1, 0, 0, 0]), ((-100.0, 100.0), [1, 1, 1, 1])):
     st_k = dataclasses.replace(st, d_min=lo_hi[0], d_max=lo_hi[1])
     assert st_k.blocked
-    flags = osdn_forward.forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
+    flags = forward(st_k, a["u"], a["n"], a["beta"], None, None, a["d1"], None)[1][2]
     assert np.asarray(flags)[0, :, 0].tolist() == want_flags, flags
   assert np.sum(np.asarray(ds[0, 32, 0]) == hi) == 1
   got, want, names = _both(a, learned_r=False, eta=eta, d_min=0.0, d_max=hi, apf_anchor="zero")
@@ -199,22 +205,26 @@ def test_block_solve_hypothesis():
   wb = osdn_tables.adjoint_rhs_reference(st12, u12, pad(g), inv_b, gamma)
   d12 = pad(a["d1"])[0, 0]
   sl = slice(0, L)
-  solve = lambda st: osdn_blocks.block_solve(st, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12,
-                                       tf[0, 0, 0], wf[0, 0, 0], None)
+  solve = lambda st: block_solve(st, u12[0, sl, 0], a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12,
+                                 tf[0, 0, 0], wf[0, 0, 0], None)
   assert solve(st12)[2] and solve(st12)[3]            # ok and smooth (the split backward's flag)
   assert solve(dataclasses.replace(st12, channels=0))[2]             # d̄ = d_min counts as inside …
   assert not solve(dataclasses.replace(st12, channels=0))[3]         # … but not as smooth (∂clip = ½ there)
-  assert osdn_blocks.block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
-                             a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0],
-                             None)[-1]
-  assert not osdn_blocks.block_adjoint(dataclasses.replace(st12, channels=0), u12[0, sl, 0],
-                                 jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0], a["beta"][0, sl, 0],
-                                 n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0], None)[-1]
+  assert block_adjoint(st12, u12[0, sl, 0], jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0],
+                       a["beta"][0, sl, 0], n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0], None)[-1]
+  assert not block_adjoint(dataclasses.replace(st12, channels=0), u12[0, sl, 0],
+                           jnp.broadcast_to(d12, (L, 16)), pad(g)[0, sl, 0], a["beta"][0, sl, 0],
+                           n12[0, sl, 0], None, None, d12, tb[0, 0, 0], wb[0, 0, 0], None)[-1]
+
+
+@pytest.mark.parametrize("anchor", [pytest.param("zero", marks=pytest.mark.slow), "init"])
+def test_retentions_of_zero_and_one_pass_every_block(anchor):
+  """APF retentions exactly 0 and 1 without the clip (every block accepted): values and gradients equal the scan.
+  (`make test`: toward d_init, whose update reads both r and d_init.)"""
   a = _inputs(11, T=48, G=2, K=16)
   a["r"] = a["r"].at[:, 5::7].set(0.0).at[:, 3::7].set(1.0)
-  for anchor in ("zero", "init"):
-    got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, apf_anchor=anchor)
-    _assert_close(got, want, names)
+  got, want, names = _both(a, learned_r=True, eta=0.8, d_min=None, d_max=None, apf_anchor=anchor)
+  _assert_close(got, want, names)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero",
@@ -233,6 +243,7 @@ def test_chain_and_restart(mode):
   anchor = "init" if mode == "init" else "zero"
   o = a["d0"] if mode == "init" else None
 
+  @functools.partial(jax.jit, static_argnums=(0, 1, 2))   # one program: the kernels and the XLA between them
   def run(eta, lo, hi):
     r = a["r"] if learned_r else None
     st = Static(batch=2, length=53, heads=2, key_dim=16, eta=eta, d_min=lo, d_max=hi, mode=mode,
@@ -421,7 +432,9 @@ KEY_CASES = {"r1-f32": ("zero", False, "float32", {}),
              "zero-bf16-packed": ("zero", True, "bfloat16", {})}
 
 
-@pytest.mark.parametrize("case", list(KEY_CASES))
+# `make test`: f32 keys with the chain and a restart, bf16 keys packed; spans and the XLA tables are in the gate
+# through test_spanned_backward["init"], test_extreme_gates[True-xla] and test_block_boundaries.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if "spans" in c else []) for c in KEY_CASES])
 def test_keys_read_by_the_kernels(case):
   """d_pass(keys=k): the kernels read k in its own dtype and square it on load; values and gradients w.r.t. k,
   n, β, r, d1 and d_init equal the token-serial scan on u = k ⊙ k (fp32, K = 20 padded to 32, odd T), k's
@@ -485,7 +498,7 @@ def test_osdn_write_key_end_to_end(anchor):
   """osdn_write_key(implementation="pallas") against "reference": odd T, K = 20 (padded to 32), GVA gains
   (G = 2H), APF retention, an initial state, the guard, the default clip [0, 8] with an aggressive η; values and
   gradients w.r.t. k, β, r and the initial state."""
-  k, beta, r, d0 = _write_key_inputs(7, B=2, T=69, H=2, G=4, K=20, states=2)
+  k, beta, r, d0 = _write_key_inputs(7, B=2, T=37, H=2, G=4, K=20, states=2)
 
   def run(impl):
     return lambda k, beta, r, d0: precond.osdn_write_key(k, beta, retention=r, eta=6.0, d_init=1.5,
