@@ -46,7 +46,7 @@ def test_cells_side_by_side_train_as_alone(tmp_path):
   assert both[0]["curve"][0]["loss"] != both[1]["curve"][0]["loss"]
 
 
-@pytest.mark.parametrize("reads", [1, 2])
+@pytest.mark.parametrize("reads", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_grid_step_is_the_oracle_loops_step(reads):
   """On the same rows in the same order and with one optimiser, the grid's vmapped trainer step and the oracle's
   plain loop lose the same, step after step: the trainer's path computes what a plain loop computes. With each
@@ -79,11 +79,15 @@ def test_the_oracles_orders_and_their_recurrence():
     mqar_oracle.draw("sorted", 0, 10, 2, 2)
 
 
-def test_the_oracles_optimisers():
-  """The oracle trains with its own AdamW or the grid's (`trainer_optimizer`, the one `follow` checks against the
-  grid's step above); another name is refused before anything is built."""
+def test_the_oracle_refuses_an_unknown_optimiser():
   with pytest.raises(ValueError, match="`optimizer`"):
     mqar_oracle.train(steps=1, optimizer="adam")
+
+
+@pytest.mark.slow
+def test_the_oracles_optimisers():
+  """The oracle trains with its own AdamW or the grid's (`trainer_optimizer`, the one `follow` checks against the
+  grid's step above), and the two differ."""
   short = dict(length=16, kv=2, lr=1e-2, steps=4, batch_size=4, vocab_size=64, size="tiny", train_examples=16,
                test_examples=8, implementation="xla", evals=1, log=lambda *_: None)
   runs = [mqar_oracle.train(optimizer=name, **short) for name in ("oracle", "trainer")]

@@ -48,7 +48,8 @@ def _in_a_fresh_process(seed: int) -> float:
   return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
 def test_trainer_learns_mqar_past_the_cusp(seed):
   accuracy = _in_a_fresh_process(seed)
   assert accuracy > 0.9, f"the trainer's DN reached {accuracy:.1%} on MQAR (chance 1.6%)"
