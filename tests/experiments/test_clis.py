@@ -36,8 +36,10 @@ def _run(module: str, out: pathlib.Path, cache: str, *args: str) -> subprocess.C
   return done
 
 
-@pytest.mark.parametrize("name", ["mqar", "demo", "recall", "passkey",
-                                  pytest.param("lm", marks=needs_corpus),
+@pytest.mark.parametrize("name", ["mqar", "demo",
+                                  pytest.param("recall", marks=pytest.mark.slow),
+                                  pytest.param("passkey", marks=pytest.mark.slow),
+                                  pytest.param("lm", marks=[needs_corpus, pytest.mark.slow]),
                                   pytest.param("contraction", marks=[needs_corpus, pytest.mark.slow]),
                                   pytest.param("clip", marks=[needs_corpus, pytest.mark.slow])])
 def test_cli_smoke(name, tmp_path, compilation_cache):

@@ -1,9 +1,9 @@
 """The notebooks of notebooks/: each runs top to bottom in a fresh kernel (CPU, training runs shortened through
-OSDN_NOTEBOOK_STEPS) without a cell error, and each is committed without outputs. `make test` runs one notebook
-(`QUICK`: the trainer on the corpus, its checkpoint loaded and decoded) and checks every notebook's outputs; the
-slow step runs the other three, whose pieces the quick suite tests on their own (composing and checking a point:
-tests/dgps/test_compose.py; the MQAR sweep: tests/experiments/test_clis.py; a user's axis values:
-tests/dgps/test_compose.py, tests/test_plugins.py)."""
+OSDN_NOTEBOOK_STEPS) without a cell error, and each is committed without outputs. `make test` checks every
+notebook's outputs; the slow step runs the four, whose pieces the quick suite tests on their own (composing and
+checking a point: tests/dgps/test_compose.py; the MQAR sweep: tests/experiments/test_clis.py; a user's axis values:
+tests/dgps/test_compose.py, tests/test_plugins.py; the trainer's run loaded and decoded:
+tests/train/test_trainer.py, tests/models/)."""
 import json
 import pathlib
 
@@ -15,7 +15,6 @@ EXPECTED = ("01_compose_a_point.ipynb", "02_train_on_mqar.ipynb", "03_checkpoint
             "04_your_own_preconditioner.ipynb")
 # Optimiser steps of every training run in a notebook under test (their defaults are a few dozen).
 STEPS = "8"
-QUICK = "03_checkpoint_and_decode.ipynb"
 
 
 def test_the_notebooks_are_the_expected_ones():
@@ -32,8 +31,8 @@ def test_notebook_is_committed_without_outputs(path):
       assert cell["execution_count"] is None, f"{path.name}: code cell {i} has an execution count"
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=[] if p.name == QUICK else [pytest.mark.slow])
-                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
   nbclient = pytest.importorskip("nbclient")
   nbformat = pytest.importorskip("nbformat")

@@ -93,6 +93,7 @@ def test_two_processes_train_and_checkpoint(two_processes):
     assert signature["batch_size"] == 4 and not {"process_index", "process_count"} & set(signature)
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_train_on_the_same_batches(two_processes, one_process):
   """The tiny run on 2 processes (a mesh of 2 devices) logs the losses and gradient norms of the run on 1 process
   of 1 device (to fp32 rounding: the meshes differ): the global batch of every step is the same."""
@@ -130,6 +131,7 @@ def _resume_on(whole: pathlib.Path, tmp_path, processes: int) -> pathlib.Path:
   return workdir
 
 
+@pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_one_process(two_processes, one_process, tmp_path):
   """The 2-process run's step-2 checkpoint resumed on 1 process: steps 3 and 4 log what the uninterrupted runs
   (on 2 processes, and on 1) logged, to fp32 rounding, and its checkpoint holds the same data position."""

@@ -368,6 +368,7 @@ def _corpus_or_skip():
     pytest.skip(f"the text corpus is not installed (run `make data`): {e}")
 
 
+@pytest.mark.slow    # the gate keeps the checkpoint fallbacks (tests/train/test_crash_safety.py); the slow step kills runs
 def test_killed_and_resumed_run_logs_the_same_losses(tmp_path):
   """The README's tiny run on the text corpus, SIGKILLed once its step-4 checkpoint exists, then started again:
   every step's loss equals the uninterrupted run's (fp32, CPU). The three runs share a persistent compilation
