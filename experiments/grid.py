@@ -252,7 +252,8 @@ class Group:
         return states, metrics["loss"]
       return jax.lax.scan(body, states, order)
 
-    self._chunk = jax.jit(chunk, donate_argnums=0)
+    # (states, lrs, tokens, labels, rows [n, cells, batch]) → (states, losses [n, cells]): n steps of every cell
+    self.chunk = jax.jit(chunk, donate_argnums=0)
     self._accuracy = jax.jit(jax.vmap(self._cell_accuracy, in_axes=(0, 0, 0)))
     seeds = sorted({c.seed for c in cells})
     self.data = {}   # seed → ((train inputs, labels), (test inputs, labels)), int32 [rows, L] each
@@ -304,7 +305,7 @@ class Group:
     states, tokens, labels, orders, lrs = self.start()
     out = []
     for step in range(0, steps, self.chunk_steps):
-      states, loss = self._chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
+      states, loss = self.chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
       out.append(np.asarray(loss))
     return np.concatenate(out)
 
@@ -330,7 +331,7 @@ class Group:
         store = Checkpoints(store.directory, keep=1, async_save=False)
     while step < p.steps:
       t0 = time.perf_counter()
-      states, loss = self._chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
+      states, loss = self.chunk(states, lrs, tokens, labels, jnp.asarray(orders[step:step + self.chunk_steps]))
       loss = np.asarray(loss)
       times.append(time.perf_counter() - t0)
       losses.append(loss)
