@@ -106,29 +106,14 @@ def check_d_pass(where: str, u, n, beta, retention, d1, d_init, *, eta, d_min, d
 
 
 @dataclasses.dataclass(frozen=True)
-class Backend:
-  """What a backend supplies to the shell (functions of its own module; hashable, a static jit argument).
-
-  name: "pallas gpu", in messages. max_key_dim: the largest K its kernels take. default_config(spec,
-  device_kind): its tuning table's entry. interpret_mode(interpret): what its `pallas_call` takes for
-  `arrays.default_interpret`'s value. reads_keys(config): given the keys, its kernels read them and square them
-  where they load them (else the shell forms u). prepare(call, config, interpret, u, keys, n, beta, r, d1, o,
-  segment_ids) → (st, inputs, aux): st hashable (the kernels' static description), inputs the kernels' arguments
-  (a tuple), aux what `finish` reads beside them; one of u (fp32) and keys is None; n, beta, d1 fp32, r fp32 or
-  None (anchor "none"), o [G, K] fp32 or None (anchor "init" only), segment_ids [B, T] or None.
-  forward(st, inputs) → outputs; forward_saving(st, inputs) → (outputs, saved); backward(st, inputs, saved,
-  cotangents) → a cotangent per input (`shells`). finish(st, inputs, outputs, aux) → (ds [B, T, G, K],
-  d_{T+1} [B or N, G, K])."""
-  name: str
+class Backend(shells.Backend):
+  """`shells.Backend` with, for this op: max_key_dim, the largest K its kernels take; reads_keys(config): given the
+  keys, its kernels read them and square them where they load them (else the shell forms u);
+  prepare(call, config, interpret, u, keys, n, beta, r, d1, o, segment_ids) → (st, inputs, aux), one of u (fp32)
+  and keys None, n, beta, d1 fp32, r fp32 or None (anchor "none"), o [G, K] fp32 or None (anchor "init" only),
+  segment_ids [B, T] or None; finish(st, inputs, outputs, aux) → (ds [B, T, G, K], d_{T+1} [B or N, G, K])."""
   max_key_dim: int
-  default_config: Callable[..., Any]
-  interpret_mode: Callable[[Any], Any]
   reads_keys: Callable[[Any], bool]
-  prepare: Callable[..., tuple]
-  forward: Callable[..., Any]
-  forward_saving: Callable[..., tuple]
-  backward: Callable[..., tuple]
-  finish: Callable[..., tuple]
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "call", "config", "interpret"))

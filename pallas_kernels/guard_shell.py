@@ -16,7 +16,6 @@ backward reads only the inputs. The TPU backend has no guard kernel: there `osdn
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
 
 from pallas_kernels import shells
 from pallas_kernels.arrays import default_interpret, device_kind, static_number
@@ -25,22 +24,9 @@ RESIDUAL_NAME = "precond_pass"    # the kernels' saved intermediates, for remate
 
 
 @dataclasses.dataclass(frozen=True)
-class Backend:
-  """What a backend supplies to the shell (functions of its own module; hashable).
-
-  name: "pallas gpu", in messages. default_config(spec, device_kind): its tuning table's entry.
-  interpret_mode(interpret): what its `pallas_call` takes for `arrays.default_interpret`'s value.
-  prepare(guard, config, interpret, ds, k, beta, n) → (st, inputs, aux): st hashable, inputs the kernels' arguments
-  (a tuple), aux what `finish` reads; forward, forward_saving, backward as `shells` describes them;
-  finish(st, inputs, outputs, aux) → k̃ [B, T, G, K] in k's dtype."""
-  name: str
-  default_config: Callable[..., Any]
-  interpret_mode: Callable[[Any], Any]
-  prepare: Callable[..., tuple]
-  forward: Callable[..., Any]
-  forward_saving: Callable[..., tuple]
-  backward: Callable[..., tuple]
-  finish: Callable[..., Any]
+class Backend(shells.Backend):
+  """`shells.Backend` with, for this op: prepare(guard, config, interpret, ds, k, beta, n) → (st, inputs, aux),
+  the arrays as given; finish(st, inputs, outputs, aux) → k̃ [B, T, G, K] in k's dtype."""
 
 
 def check_write_key(where: str, ds, k, beta, n, guard) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Callable
 
 import jax.numpy as jnp
 
@@ -45,24 +44,11 @@ class Transform:
 
 
 @dataclasses.dataclass(frozen=True)
-class Backend:
-  """What a backend supplies to the shell (functions of its own module; hashable).
-
-  name: "pallas gpu", in messages. default_config(spec, device_kind): its tuning table's entry.
-  interpret_mode(interpret): what its `pallas_call` takes for `arrays.default_interpret`'s value.
-  prepare(transform, config, interpret, k, q, beta, g, A0, center) → (st, inputs, aux): st hashable, inputs the
-  kernels' arguments (a tuple), aux what `finish` reads beside them; k [B, T, H, K] as given, q [B, T, H, K] (atq)
-  or None, beta and g [B, T, H] fp32 (g clamped), A0 [B, H, K] fp32, center [H] fp32 (pdn) or None. forward,
-  forward_saving, backward as `shells` describes them. finish(st, inputs, outputs, aux) → (y [B, T, H, K] in k's
+class Backend(shells.Backend):
+  """`shells.Backend` with, for this op: prepare(transform, config, interpret, k, q, beta, g, A0, center) →
+  (st, inputs, aux), k [B, T, H, K] as given, q [B, T, H, K] (atq) or None, beta and g [B, T, H] fp32 (g clamped),
+  A0 [B, H, K] fp32, center [H] fp32 (pdn) or None; finish(st, inputs, outputs, aux) → (y [B, T, H, K] in k's
   (pdn) / q's (atq) dtype, A_T [B, H, K] fp32)."""
-  name: str
-  default_config: Callable[..., Any]
-  interpret_mode: Callable[[Any], Any]
-  prepare: Callable[..., tuple]
-  forward: Callable[..., Any]
-  forward_saving: Callable[..., tuple]
-  backward: Callable[..., tuple]
-  finish: Callable[..., tuple]
 
 
 def check_precond_key(where: str, k, beta, log_decay, transform, q, center, x, eps, lam, initial_state):

@@ -1,6 +1,6 @@
 """What the shells of the preconditioners' passes share (`d_pass_shell`, `guard_shell`, `precond_shell`): the
-`jax.custom_vjp` around a backend's kernels with their saved intermediates named for rematerialisation, and `bind`,
-which makes a shell's entry point a backend's own function.
+`Backend` record's common fields, the `jax.custom_vjp` around a backend's kernels with their saved intermediates
+named for rematerialisation, and `bind`, which makes a shell's entry point a backend's own function.
 
 The differentiation skeleton of every such op is
     differentiable XLA before the kernels (the backend's `prepare`) → `kernels` (this module's custom_vjp around
@@ -12,12 +12,33 @@ The custom_vjp saves the inputs and `saved` (what the backward reads beside them
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """What a backend supplies to an op's shell (functions of its own module; hashable: a static argument).
+
+  name: "pallas gpu", in messages. default_config(spec, device_kind): its tuning table's entry.
+  interpret_mode(interpret): what its `pallas_call` takes for `arrays.default_interpret`'s value.
+  prepare(...) → (st, inputs, aux): st hashable (the kernels' static description), inputs the kernels' arguments
+  (a tuple), aux what `finish` reads beside them (the arguments per op: its shell's `Backend`). forward,
+  forward_saving, backward: the kernels (this module's docstring). finish(st, inputs, outputs, aux): the op's
+  results."""
+  name: str
+  default_config: Callable[..., Any]
+  interpret_mode: Callable[[Any], Any]
+  prepare: Callable[..., tuple]
+  forward: Callable[..., Any]
+  forward_saving: Callable[..., tuple]
+  backward: Callable[..., tuple]
+  finish: Callable[..., Any]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
