@@ -1,14 +1,10 @@
 """Array helpers and input checks every kernel backend's wrappers share (plain JAX, outside the kernels)."""
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.spec import LOG_DECAY_FLOOR
-
-TRANSFORMS = ("pdn", "atq")     # the preconditioned keys: PDN's write key, ATQ's query
 
 
 def default_interpret(interpret):
@@ -46,32 +42,6 @@ def scale_parts(scale, key_dim: int):
     return float(scale), None
   except (TypeError, jax.errors.ConcretizationTypeError):
     return None, jnp.asarray(scale, jnp.float32)
-
-
-def check_precond_key(where: str, k, beta, log_decay, transform, q, center, x, eps, lam, initial_state):
-  """ValueError naming the argument unless the inputs fit `precond_key` (PDN's write key / ATQ's query):
-  k [B, T, H, K]; beta, log_decay [B, T, H]; initial_state None or [B, H, K]; q [B, T, H, K] for "atq"; center
-  scalar or [H] for "pdn"; x > 0, eps ≥ 0, lam > 0 static numbers."""
-  if transform not in TRANSFORMS:
-    raise ValueError(f"{where}: `transform` must be one of {TRANSFORMS}, got {transform!r}")
-  if k.ndim != 4:
-    raise ValueError(f"{where}: `k` must be [B, T, H, K], got shape {k.shape}")
-  b, t, h, kd = k.shape
-  for name, a in (("beta", beta), ("log_decay", log_decay)):
-    if a.shape != (b, t, h):
-      raise ValueError(f"{where}: `{name}` must be [B, T, H] = {(b, t, h)}, got {a.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, kd):
-    raise ValueError(f"{where}: `initial_state` must be [B, H, K] = {(b, h, kd)}, got {initial_state.shape}")
-  if transform == "atq" and (q is None or q.shape != k.shape):
-    raise ValueError(f"{where}: `q` must be [B, T, H, K] = {k.shape} for 'atq', got "
-                     f"{None if q is None else q.shape}")
-  if transform == "pdn" and (center is None or jnp.shape(center) not in ((), (h,))):
-    raise ValueError(f"{where}: `center` must be a scalar or [H] = {(h,)} for 'pdn', got "
-                     f"{None if center is None else jnp.shape(center)}")
-  if not all(isinstance(v, numbers.Real) for v in (x, eps, lam)):
-    raise ValueError(f"{where}: `x`, `eps` and `lam` must be static numbers, got {x!r}, {eps!r}, {lam!r}")
-  if not (x > 0 and eps >= 0 and lam > 0):
-    raise ValueError(f"{where}: need x > 0, eps ≥ 0 and lam > 0, got x={x}, eps={eps}, lam={lam}")
 
 
 def moment_inputs(where: str, x, log_decay, beta, initial_state):

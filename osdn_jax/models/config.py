@@ -34,8 +34,8 @@ _SAVE_SOLVE = ("solve_out", "delta_rule_T", "precond_pass")
 # What a block keeps for the backward pass (`ModelConfig.remat`); everything else is recomputed from the block's
 # input. "none": no rematerialisation (everything saved). "full": only the block input. "dots": every matmul
 # output (projections, MLP); the solve and the element-wise work rerun. "solve": the solve's output, its
-# in-chunk inverse and the preconditioner's first pass (PDN's write key and its chunk carries; OSDN's write key,
-# its d and the d-pass kernels' tables); the projections rerun. "dots_solve": both.
+# in-chunk inverse and the preconditioner's first pass (PDN's write key and its chunk carries, or its second moment
+# on a TPU; OSDN's write key, its d and the d-pass kernels' tables); the projections rerun. "dots_solve": both.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,

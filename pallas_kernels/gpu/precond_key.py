@@ -1,20 +1,18 @@
-"""PDN's write key and ATQ's query, fused with their decayed second moment, as chunk-parallel Pallas GPU kernels.
+"""PDN's write key and ATQ's query, fused with their decayed second moment, as chunk-parallel Pallas GPU kernels:
+what this backend supplies to the shell (`pallas_kernels.precond_shell`: the recurrence, the entry point, its checks
+and custom_vjp; `precond_key` is the shell's bound to `BACKEND`).
 
-    A_t = e^{g_t} A_{t−1} + b_t,   b_t = β_t k_t ⊙ k_t,   A_0 = initial_state       (per batch, head, channel)
-    "pdn": y_t = M(A_t) ⊙ k_t,   M = exp(−log(x) z / (1 + |z|)),   z = log(A_t + ε) − c_h
-    "atq": y_t = q_t / (A_t + λ)
-
-`precond_key` has the results of `osdn_jax.dgps.precond.pdn_write_key` / `atq_query` (y, A_T) for unpacked
-sequences and never writes A [B, T, H, K]. Chunks of C tokens (`Config.chunk`), G the in-chunk cumsum of g,
-G_C its total; every kernel but `decayed_sum` has the grid (B, H, NC, K/BK) and no loop:
+The kernels never write A [B, T, H, K]; they take every input and return (y, A_T) themselves. Chunks of C tokens
+(`Config.chunk`), G the in-chunk cumsum of g, G_C its total; every kernel but `decayed_sum` has the grid
+(B, H, NC, K/BK) and no loop:
   1. `summaries`: s_c = Σ_{j∈c} e^{G_C − G_j} b_j [B, NC, H, K] (weights from XLA, a column sum of a [C, BK] load);
   2. the carries A_end[c] = e^{G_C(c)} A_end[c−1] + s_c (A_end[−1] = A_0), which give A_in[c] (the state
      entering chunk c) and A_T: `decayed_sum` on these NC-long arrays in two levels (`_chunk_scan`): every group
      of `Config.carry_group` chunks from zero in parallel, then the groups' ends in one short serial scan, then
      A_end = local + e^{(cumsum of G_C in the group)} · (the state entering the group), element-wise in XLA;
   3. `apply`: from A_in, the chunk's rows one by one in registers (A ← e^{g_t} A + b_t, y_t = transform(A)).
-Backward (`jax.custom_vjp`; residuals: the inputs and A_in [B, NC, H, K]). dA_t is the cotangent reaching A_t
-through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
+Backward (residuals: the inputs and A_in [B, NC, H, K], named for rematerialisation). dA_t is the cotangent
+reaching A_t through y_t, λ_t the total cotangent of A_t, ν_c that of A_in[c]:
   B1. `carry_grad` recomputes the rows' A_t and dA_t: s'_c = Σ_{t∈c} e^{G_t} dA_t;
   B2. ν_c = s'_c + e^{G_C(c)} ν_{c+1}, ν_NC = dA_T (dA_0 = ν_0): the same two-level scan on the chunk-reversed arrays;
   B3. `grads`: the rows' A_t forward, then in reverse λ_t = dA_t + e^{g_{t+1}} λ_{t+1} (after the last row:
@@ -40,16 +38,17 @@ import math
 from typing import NamedTuple
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.arrays import check_precond_key, device_kind, moment_inputs, tuning_entry
+from pallas_kernels import precond_shell as shell
+from pallas_kernels.arrays import tuning_entry
 from pallas_kernels.gpu import common, decayed_sum
 from pallas_kernels.gpu.chunk_math import F32
 from pallas_kernels.gpu.common import SQUEEZED as _SQ
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
+from pallas_kernels.shells import bind
 from pallas_kernels.spec import Spec, is_pow2
 from pallas_kernels.wrapper_math import head_major, pad_tokens, padded_length, pdn_scale, precond_transform
 
@@ -232,7 +231,7 @@ class _Prep(NamedTuple):
   A0: jax.Array
 
 
-def _prepare(k, q, beta, g, A0, center, st):
+def _prepare_arrays(k, q, beta, g, A0, center, st):
   b, t, h, kd = k.shape
   c = st.config.chunk
   tp, kp = padded_length(t, c), padded_dim(kd)
@@ -349,31 +348,27 @@ def _grads(prep, A_in, dy, nu_next, st, q_dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# custom_vjp.
+# What the shell runs: the kernels' inputs are (k, q, beta, g, A0, center), as the shell forms them.
 # ---------------------------------------------------------------------------------------------------------
-def _forward(k, q, beta, g, A0, center, st):
-  prep = _prepare(k, q, beta, g, A0, center, st)
+def _prepare(transform: shell.Transform, config: Config, interpret: bool, k, q, beta, g, A0, center):
+  st = Static(transform.name, transform.x, transform.eps, transform.lam, config, interpret)
+  return st, (k, q, beta, g, A0, center), None
+
+
+def _forward_saving(st: Static, inputs):
+  """((y, A_T), A_in): the kernels' results and the state entering every chunk."""
+  k, q, beta, g, A0, center = inputs
+  prep = _prepare_arrays(k, q, beta, g, A0, center, st)
   A_in, A_T = _carries(prep, st)
   y = _apply(prep, A_in, st, k.dtype if st.pdn else q.dtype)
   _, t, _, kd = k.shape
   return (y[:, :t, :, :kd], A_T[..., :kd]), A_in
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _precond_key(k, q, beta, g, A0, center, st):
-  return _forward(k, q, beta, g, A0, center, st)[0]
-
-
-def _fwd(k, q, beta, g, A0, center, st):
-  out, A_in = _forward(k, q, beta, g, A0, center, st)
-  # Named for rematerialisation policies (with the key itself, named by its caller): the backward's one residual.
-  return out, (k, q, beta, g, A0, center, checkpoint_name(A_in, "precond_pass"))
-
-
-def _bwd(st, res, cts):
-  k, q, beta, g, A0, center, A_in = res
+def _backward(st: Static, inputs, A_in, cts):
+  k, q, beta, g, A0, center = inputs
   dy, dA_T = cts
-  prep = _prepare(k, q, beta, g, A0, center, st)
+  prep = _prepare_arrays(k, q, beta, g, A0, center, st)
   b, t, h, kd = k.shape
   tp, kp = prep.k.shape[1], prep.k.shape[3]
   dy = pad_tokens(dy, tp, kp)
@@ -389,35 +384,12 @@ def _bwd(st, res, cts):
   return dk[:, :t, :, :kd], dq, time_major(dbeta), time_major(dg), dA0[..., :kd], dc
 
 
-_precond_key.defvjp(_fwd, _bwd)
+BACKEND = shell.Backend(
+    name="pallas gpu", default_config=default_config, interpret_mode=default_interpret, prepare=_prepare,
+    forward=lambda st, inputs: _forward_saving(st, inputs)[0], forward_saving=_forward_saving, backward=_backward,
+    finish=lambda st, inputs, outputs, aux: outputs)
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Entry point.
-# ---------------------------------------------------------------------------------------------------------
-def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
-                initial_state=None, config: Config | None = None, interpret: bool | None = None):
-  """PDN's write key M(A_t) ⊙ k_t ("pdn") or ATQ's query q_t / (A_t + λ) ("atq"), and A_T.
-
-  k [B, T, H, K] and q (atq) [B, T, H, K] (fp32 or bf16, read as is); beta, log_decay [B, T, H]; center (pdn)
-  scalar or [H]; x, eps (pdn) and lam (atq) static numbers; initial_state A_0 [B, H, K] (default 0). Computes
-  in fp32; log_decay is clamped at −30 like every log-decay of the solves. Returns (y [B, T, H, K] in k's
-  (pdn) / q's (atq) dtype, A_T [B, H, K] fp32), as `precond.pdn_write_key` / `precond.atq_query`.
-  Differentiable w.r.t. k, q, beta, log_decay, center and initial_state. config: launch parameters (None:
-  `default_config`: INTERPRET in interpret mode); interpret: None runs interpret mode on a CPU
-  backend.
-  """
-  check_precond_key("precond_key (pallas gpu)", k, beta, log_decay, transform, q, center, x, eps, lam, initial_state)
-  b, _, h, kd = k.shape
-  interpret = default_interpret(interpret)
-  config = config or default_config(None, device_kind(interpret))
-  st = Static(transform, float(x), float(eps), float(lam), config, interpret)
-  f32 = lambda a: jnp.asarray(a, F32)
-  beta, g, A0 = moment_inputs("precond_key (pallas gpu)", k, log_decay, beta, initial_state)
-  center = jnp.broadcast_to(f32(center), (h,)) if transform == "pdn" else None
-  return _precond_key(k, q if transform == "atq" else None, f32(beta), g, A0, center, st)
-
-
+precond_key = bind(shell.precond_key, BACKEND, __name__)
 precond_key.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (module docstring)
 
 

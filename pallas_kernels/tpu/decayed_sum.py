@@ -221,9 +221,9 @@ def _fwd(x, beta, g, A0, config, interpret):
   return (A, A_T), (x, beta, g, A)
 
 
-def _bwd(config, interpret, res, cts):
-  x, beta, g, A = res
-  dA, dA_T = cts
+def backward(x, beta, g, A, dA, dA_T, *, config: Config, interpret):
+  """The cotangents (dx, dβ or None, dg, dA0) of `scan`'s inputs from those of (A, A_T): the adjoint through the
+  kernel in reverse, the rest in XLA (module docstring)."""
   lam, dA0 = scan(dA.astype(F32), None, g, dA_T.astype(F32), config=config, reverse=True, interpret=interpret)
   xf = x.astype(F32)
   b = xf if beta is None else beta[..., None] * xf * xf
@@ -231,6 +231,10 @@ def _bwd(config, interpret, res, cts):
   if beta is None:
     return lam.astype(x.dtype), None, dg, dA0
   return (2.0 * beta[..., None] * xf * lam).astype(x.dtype), jnp.sum(xf * xf * lam, axis=-1), dg, dA0
+
+
+def _bwd(config, interpret, res, cts):
+  return backward(*res, *cts, config=config, interpret=interpret)
 
 
 _decayed_sum.defvjp(_fwd, _bwd)

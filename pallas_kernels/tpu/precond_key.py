@@ -1,46 +1,73 @@
-"""PDN's write key and ATQ's query on TPU: the second-moment kernel (`decayed_sum`), then the transform in XLA.
+"""PDN's write key and ATQ's query on TPU: the second-moment kernel (`decayed_sum`'s scan), then the transform in
+XLA; what this backend supplies to the shell (`pallas_kernels.precond_shell`: the recurrence, the entry point, its
+checks and custom_vjp; `precond_key` is the shell's bound to `BACKEND`).
 
-    A_t = e^{g_t} A_{t−1} + β_t k_t ⊙ k_t                                   (`decayed_sum`, one Mosaic kernel)
-    "pdn": y_t = M(A_t) ⊙ k_t,   M = exp(−log(x) z / (1 + |z|)),   z = log(A_t + ε) − c_h
-    "atq": y_t = q_t / (A_t + λ)
-
-`precond_key` has the signature and results of `pallas_kernels.gpu.precond_key.precond_key` (the op
-"precond_key": `osdn_jax.dgps.precond.pdn_write_key` / `atq_query`, unpacked). Unlike the GPU kernel it stores A
-[B, T, H, K] fp32 once: the transform is one elementwise XLA fusion over A and k (or q), and its gradient reaches
-the kernel's own backward through autodiff. Faults stay where the token-serial recurrence puts them, as
-`decayed_sum` confines them, with NaN wherever A_t is not finite.
+Unlike the GPU kernels, the kernel here stores A [B, T, H, K] fp32 once (and saves it, named for rematerialisation):
+`finish` applies the transform to it as one elementwise XLA fusion over A and k (or q), and its gradient reaches the
+kernel's own backward (`decayed_sum.backward`) through autodiff. Faults stay where the token-serial recurrence puts
+them, as `decayed_sum` confines them, with NaN wherever A_t is not finite.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from pallas_kernels.arrays import check_precond_key
+from pallas_kernels import precond_shell as shell
+from pallas_kernels.shells import bind
 from pallas_kernels.spec import Spec
-from pallas_kernels.tpu.decayed_sum import Config, decayed_sum
+from pallas_kernels.tpu import common
+from pallas_kernels.tpu import decayed_sum as moment
+from pallas_kernels.tpu.decayed_sum import Config, default_config
 from pallas_kernels.wrapper_math import precond_transform
 
 
-def precond_key(k, beta, log_decay, *, transform: str, q=None, center=None, x=1.5, eps=1e-6, lam=1.0,
-                initial_state=None, config: Config | None = None, interpret=None):
-  """PDN's write key M(A_t) ⊙ k_t ("pdn") or ATQ's query q_t / (A_t + λ) ("atq"), and A_T.
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The transform, the moment kernel's block sizes and its interpret mode."""
+  transform: shell.Transform
+  config: Config
+  interpret: object
 
-  k [B, T, H, K] and q (atq) [B, T, H, K] (fp32 or bf16); beta, log_decay [B, T, H]; center (pdn) scalar or
-  [H]; x, eps (pdn) and lam (atq) static numbers; initial_state A_0 [B, H, K] (default 0). Computes in fp32.
-  Returns (y [B, T, H, K] in k's (pdn) / q's (atq) dtype, A_T [B, H, K] fp32). Differentiable w.r.t. k, q, beta,
-  log_decay, center and initial_state. interpret / config: as `decayed_sum`'s.
-  """
-  check_precond_key("precond_key (pallas tpu)", k, beta, log_decay, transform, q, center, x, eps, lam,
-                    initial_state)
-  A, A_T = decayed_sum(k, log_decay, beta=beta, initial_state=initial_state, interpret=interpret, config=config)
-  if transform == "atq":                                  # q / (inf + λ) would be a finite 0 (PDN's scale is NaN)
+
+def _prepare(transform: shell.Transform, config: Config, interpret, k, q, beta, g, A0, center):
+  """The moment's inputs (k, β, g, A0) for the kernel; q and the center for `finish`."""
+  if min(k.shape) < 1:
+    raise ValueError(f"precond_key (pallas tpu): every dim of `k` must be ≥ 1, got shape {k.shape}")
+  return Static(transform, config, interpret), (k, beta, g, A0), (q, center)
+
+
+def _forward(st: Static, inputs):
+  return moment.scan(*inputs, config=st.config, interpret=st.interpret)
+
+
+def _forward_saving(st: Static, inputs):
+  A, A_T = _forward(st, inputs)
+  return (A, A_T), A
+
+
+def _backward(st: Static, inputs, A, cts):
+  return moment.backward(*inputs[:3], A, *cts, config=st.config, interpret=st.interpret)
+
+
+def _finish(st: Static, inputs, outputs, aux):
+  """y from A: the transform in XLA."""
+  (A, A_T), (q, center), k = outputs, aux, inputs[0]
+  t = st.transform
+  if t.name == "atq":                                     # q / (inf + λ) would be a finite 0 (PDN's scale is NaN)
     A = jnp.where(jnp.isfinite(A), A, jnp.nan)
     p, dtype = q.astype(jnp.float32), q.dtype
   else:                                                   # the center per head, against A [B, T, H, K]
-    p, dtype = jnp.asarray(center, jnp.float32).reshape(-1)[:, None], k.dtype
-  y = precond_transform(transform, A, k.astype(jnp.float32), p, x=x, eps=eps, lam=lam)
+    p, dtype = center[:, None], k.dtype
+  y = precond_transform(t.name, A, k.astype(jnp.float32), p, x=t.x, eps=t.eps, lam=t.lam)
   return y.astype(dtype), A_T
 
 
+BACKEND = shell.Backend(
+    name="pallas tpu", default_config=default_config, interpret_mode=common.default_interpret, prepare=_prepare,
+    forward=_forward, forward_saving=_forward_saving, backward=_backward, finish=_finish)
+
+precond_key = bind(shell.precond_key, BACKEND, __name__)
 precond_key.confines_faults = True   # unpacked: NaN where the token-serial recurrence has it (`decayed_sum`)
 
 

@@ -1,33 +1,33 @@
-"""OSDN's guarded write key in one pass: k̃ = guard(d ⊙ k) from the d-pass's ds, forward and backward kernels.
+"""OSDN's guarded write key in one pass, k̃ = guard(d ⊙ k) from the d-pass's ds: forward and backward kernels, and
+what this backend supplies to the shell (`pallas_kernels.guard_shell`: the row math, the entry point, its checks and
+custom_vjp; `write_key` is the shell's bound to `BACKEND`).
 
-Per row (one token of one head; w = d ⊙ k, u = k ⊙ k, γ the guard):
-    s = β ⟨k, w⟩ = β ⟨d, u⟩,   m = min(1, γ / max(s, 1e-12)),   k̃ = m w,
-and k̃ = NaN where n (the d-pass's max(‖k‖², 1e-12)) is not finite, as `osdn_jax.dgps.precond.osdn_write_key`
-forms it in plain JAX (its contract: `apply_guard` then that select, then the cast to k's dtype). In plain JAX
-the row sum s is one fusion and the scaled write another, each reading d (fp32) and k; here one program reads a
-block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes ∂d (fp32), ∂k (in k's
-dtype) and ∂β:
+In plain JAX the row sum s = β ⟨k, d ⊙ k⟩ is one fusion and the scaled write another, each reading d (fp32) and k;
+here one program reads a block of rows once and writes k̃. The backward kernel reads ∂k̃, d and k once and writes
+∂d (fp32), ∂k (in k's dtype) and ∂β (w = d ⊙ k, m the guard's scale):
     ∂m = ⟨∂k̃, w⟩,   ∂s = ∂m · m'(s),   ∂w = m ∂k̃ + ∂s β k,   ∂d = ∂w ⊙ k,   ∂k = ∂w ⊙ d + ∂s β w,   ∂β = ∂s ⟨k, w⟩,
 with ∂k̃ zeroed on the NaN rows and m'(s) as `jnp.minimum` / `jnp.maximum` differentiate (½ at a tie). The
 products are formed in the order autodiff forms them, so the kernels' gradients are plain JAX's to rounding and
 NaN where its are (a key whose square overflows: 0 · 1e20 · 1e20 is 0, 0 · (1e20)² would be NaN).
 
-Layout: [B, T, G, K] viewed as rows [N, K] (N = B·T·G, no copy), blocks of R = `Config.guard_rows` rows (fewer
-when N is smaller) and all K; N is padded to a multiple of R and K to a power of two ≥ 16 only where they are not
-already (a copy then); β and n as [N].
+Layout (`prepare`, undone by `finish`): [B, T, G, K] viewed as rows [N, K] (N = B·T·G, no copy), blocks of
+R = `Config.guard_rows` rows (fewer when N is smaller) and all K; N is padded to a multiple of R and K to a power of
+two ≥ 16 only where they are not already (a copy then); β and n as [N]. The backward reads the inputs only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.arrays import device_kind
+from pallas_kernels import guard_shell as shell
 from pallas_kernels.gpu.common import default_interpret, pad_axis, padded_dim, pallas_call
 from pallas_kernels.gpu.osdn.config import Config, default_config
 from pallas_kernels.gpu.osdn.loops import F32
+from pallas_kernels.shells import bind
 
 _FLOOR = 1e-12                          # the guard's floor on s (`apply_guard`)
 
@@ -75,7 +75,7 @@ def _backward_kernel(guard, g_ref, ds_ref, k_ref, b_ref, n_ref, dd_ref, dk_ref, 
 def _call(kernel, guard, config, interpret, args, outs, name):
   rows, kp = args[0].shape
   r = _rows_block(rows, config.guard_rows)
-  assert rows % r == 0, (rows, r)        # `write_key` pads the rows
+  assert rows % r == 0, (rows, r)        # `_prepare` pads the rows
   tile = pl.BlockSpec((r, kp), lambda i: (i, 0))
   vec = pl.BlockSpec((r,), lambda i: (i,))
   specs = [tile if x.ndim == 2 else vec for x in args]
@@ -86,52 +86,58 @@ def _call(kernel, guard, config, interpret, args, outs, name):
                      num_warps=config.warps_guard, num_stages=1, name=name)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _guarded(ds, k, beta, n, guard, config, interpret):
-  out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  return _call(_forward_kernel, guard, config, interpret, (ds, k, beta, n), [out], "osdn_guard_fwd")
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The kernels' static arguments: γ, the d-pass's config (its guard fields), interpret."""
+  guard: float
+  config: Config
+  interpret: bool
 
 
-def _guarded_fwd(ds, k, beta, n, guard, config, interpret):
-  return _guarded(ds, k, beta, n, guard, config, interpret), (ds, k, beta, n)
-
-
-def _guarded_bwd(guard, config, interpret, res, g):
-  ds, k, beta, n = res
-  outs = [jax.ShapeDtypeStruct(ds.shape, F32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-          jax.ShapeDtypeStruct(beta.shape, F32)]
-  dd, dk, db = _call(_backward_kernel, guard, config, interpret, (g, ds, k, beta, n), outs, "osdn_guard_bwd")
-  return dd, dk, db, jnp.zeros_like(n)
-
-
-_guarded.defvjp(_guarded_fwd, _guarded_bwd)
-
-
-def write_key(ds, k, beta, n, *, guard, config: Config | None = None, interpret: bool | None = None):
-  """k̃ [B, T, G, K] in k's dtype: guard(ds ⊙ k), NaN on the rows where n is not finite.
-
-  ds [B, T, G, K] fp32 (the d-pass's d of every token), k [B, T, G, K] (the keys on the d-pass's heads, fp32,
-  bf16 or fp16), beta and n [B, T, G] fp32 (the gains and the d-pass's max(‖k‖², 1e-12)), guard γ > 0 a static
-  number. Differentiable w.r.t. ds, k and beta (n only selects rows: a zero cotangent). The contract is
-  `osdn_jax.dgps.precond.osdn_write_key`'s plain-JAX write key.
-  """
-  if ds.ndim != 4 or k.shape != ds.shape:
-    raise ValueError(f"osdn write_key (pallas gpu): `ds` and `k` must be [B, T, G, K] of one shape, got "
-                     f"{ds.shape} and {k.shape}")
-  for name, x in (("beta", beta), ("n", n)):
-    if x.shape != ds.shape[:3]:
-      raise ValueError(f"osdn write_key (pallas gpu): `{name}` must be [B, T, G] = {ds.shape[:3]}, got {x.shape}")
-  interpret = default_interpret(interpret)
-  config = config or default_config(None, device_kind(interpret))
+def _prepare(guard: float, config: Config, interpret: bool, ds, k, beta, n):
+  """Rows [N', Kp] of ds (fp32) and k, and [N'] of β and n (fp32), padded: zero d, k and β, n = 1 (a finite,
+  unguarded row)."""
   b, t, g, kd = ds.shape
   kp = padded_dim(kd)
   rows = b * t * g
   r = _rows_block(rows, config.guard_rows)
-  rp = -(-rows // r) * r                 # padded rows: zero d, k and β, n = 1 (a finite, unguarded row)
+  rp = -(-rows // r) * r
   flat = lambda x: pad_axis(pad_axis(x.reshape(rows, kd), 1, kp), 0, rp)
   vec = lambda x, fill: jnp.pad(jnp.asarray(x, F32).reshape(rows), (0, rp - rows), constant_values=fill)
-  y = _guarded(flat(jnp.asarray(ds, F32)), flat(k), vec(beta, 0.0), vec(n, 1.0), float(guard), config, interpret)
-  return y[:rows, :kd].reshape(b, t, g, kd)
+  inputs = (flat(jnp.asarray(ds, F32)), flat(k), vec(beta, 0.0), vec(n, 1.0))
+  return Static(guard, config, interpret), inputs, ds.shape
+
+
+def _forward(st: Static, inputs):
+  ds, k, beta, n = inputs
+  out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  return _call(_forward_kernel, st.guard, st.config, st.interpret, (ds, k, beta, n), [out], "osdn_guard_fwd")
+
+
+def _forward_saving(st: Static, inputs):
+  return _forward(st, inputs), ()
+
+
+def _backward(st: Static, inputs, saved, g):
+  del saved
+  ds, k, beta, n = inputs
+  outs = [jax.ShapeDtypeStruct(ds.shape, F32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+          jax.ShapeDtypeStruct(beta.shape, F32)]
+  dd, dk, db = _call(_backward_kernel, st.guard, st.config, st.interpret, (g, ds, k, beta, n), outs,
+                     "osdn_guard_bwd")
+  return dd, dk, db, jnp.zeros_like(n)
+
+
+def _finish(st: Static, inputs, y, shape):
+  b, t, g, kd = shape
+  return y[:b * t * g, :kd].reshape(shape)
+
+
+BACKEND = shell.Backend(name="pallas gpu", default_config=default_config, interpret_mode=default_interpret,
+                        prepare=_prepare, forward=_forward, forward_saving=_forward_saving, backward=_backward,
+                        finish=_finish)
+
+write_key = bind(shell.write_key, BACKEND, __name__)
 
 
 def supports_write_key(spec) -> bool:

@@ -1,50 +1,46 @@
-"""The entry point `d_pass`, its `jax.custom_vjp` and the XLA around the kernels.
+"""OSDN's d-pass as a Pallas TPU (Mosaic) kernel pair: what this backend supplies to the shell
+(`pallas_kernels.d_pass_shell`: the entry point, checks, defaults and custom_vjp; the recurrence in its docstring).
 
-XLA forms a_t = η β_t / n_t and c_t = η β_t² / n_t (β and n are differentiated through them by autodiff). The
-custom_vjp covers ds only; d_{T+1} (each segment's last d, packed) is one more step from the last token's d in XLA
-(`kernel.pre_clip`), so the kernels carry no final state and its cotangent reaches the backward kernel through
-∂L/∂ds. From the backward kernel's μ (and s_t = ⟨d_t, u_t⟩, p_t = ⟨μ_t, u_t⟩), elementwise in XLA:
+`prepare` forms a_t = η β_t / n_t and c_t = η β_t² / n_t in XLA (β and n are differentiated through them by
+autodiff) and the packed restart codes; the kernels return ds only, and `finish` forms d_{T+1} (each segment's last
+d, packed) one more step from the last token's d in XLA (`kernel.pre_clip`), so the kernels carry no final state and
+its cotangent reaches the backward kernel through ∂L/∂ds. Under autodiff ds is saved (named for
+rematerialisation). From the backward kernel's μ (and s_t = ⟨d_t, u_t⟩, p_t = ⟨μ_t, u_t⟩), elementwise in XLA:
     ∂u_t = (a_t − c_t s_t) μ_t − c_t p_t d_t,   ∂a_t = p_t,   ∂c_t = −s_t p_t,
     ∂r_t = ⟨μ_t, d_t⟩ ("zero") | ⟨μ_t, d_t − o⟩ ("init"),   ∂o = Σ_{b,t} (1 − r_t) μ_t,
     ∂d1 = λ at the first token: λ_1 (unpacked), or λ summed per segment over first tokens (packed),
-with λ_t = ∂L/∂ds_t + ρ_t μ_t − c_t p_t u_t.
+with λ_t = ∂L/∂ds_t + ρ_t μ_t − c_t p_t u_t. The kernels read u (given the keys, the shell forms it in fp32).
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import d_pass_shell as shell
 from pallas_kernels import osdn_math as om
-from pallas_kernels.arrays import device_kind
-from pallas_kernels.osdn_shell import check_d_pass
+from pallas_kernels.shells import bind
 from pallas_kernels.spec import Spec
 from pallas_kernels.tpu import common
 from pallas_kernels.tpu.common import F32, LANES
-from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, NAME, Config, Static, default_config, static
+from pallas_kernels.tpu.osdn.config import MAX_KEY_DIM, Config, Static, default_config, static
 from pallas_kernels.tpu.osdn.kernel import call, head_major, pre_clip
 
 
-def _forward(st: Static, u, a, c, r, o, d1, codes):
+def _run_forward(st: Static, inputs):
+  """All d_t [B, T, G, K] of inputs (u, a, c, r, o, d1, codes, starts): d1 at the first token (unpacked) or
+  d1[segment] at every segment's first token (packed: codes as the kernels read them, starts [B, T] the same per
+  token with N where no segment starts), the clipped recurrence in between."""
+  u, a, c, r, o, d1, codes, _ = inputs
   return call(st, False, u, head_major(st, a, c, r), o, codes, d1=d1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ds(st: Static, u, a, c, r, o, d1, codes, starts):
-  """All d_t [B, T, G, K]: d1 at the first token (unpacked) or d1[segment] at every segment's first token (packed:
-  codes as the kernels read them, starts [B, T] the same per token with N where no segment starts), the clipped
-  recurrence in between."""
-  return _forward(st, u, a, c, r, o, d1, codes)
+def _forward_saving(st: Static, inputs):
+  ds = _run_forward(st, inputs)
+  return ds, ds
 
 
-def _ds_fwd(st, u, a, c, r, o, d1, codes, starts):
-  ds = _forward(st, u, a, c, r, o, d1, codes)
-  return ds, (u, a, c, r, o, codes, starts, ds)
-
-
-def _ds_bwd(st, res, g):
-  u, a, c, r, o, codes, starts, ds = res
+def _run_backward(st: Static, inputs, ds, g):
+  u, a, c, r, o, _, codes, starts = inputs
   g = g.astype(F32)
   mu = call(st, True, u, head_major(st, a, c, r), o, codes, ds=ds, g=g)
   s, p = jnp.sum(ds * u, axis=-1), jnp.sum(mu * u, axis=-1)                              # [B, T, G]
@@ -61,9 +57,6 @@ def _ds_bwd(st, res, g):
   else:
     dd1 = jax.ops.segment_sum(lam.reshape((-1,) + lam.shape[2:]), starts.reshape(-1), num_segments=st.segments)
   return du, p, -s * p, dr, do, dd1, None, None
-
-
-_ds.defvjp(_ds_fwd, _ds_bwd)
 
 
 def _codes(st: Static, segments, count: int):
@@ -85,19 +78,25 @@ def _codes(st: Static, segments, count: int):
   return codes.reshape(-1), starts, pos, present
 
 
-@functools.partial(jax.jit, static_argnames=("st",))
-def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
-  f32 = lambda x: None if x is None else jnp.asarray(x, F32)
-  u, n, beta, r, d1 = f32(u), f32(n), f32(beta), f32(r), f32(d1)
+def _prepare(call: shell.Call, config: Config, interpret, u, keys, n, beta, r, d1, o, segment_ids):
+  """a_t, c_t in XLA; packed: the restart codes, and (aux) where each segment's last token is and which have
+  tokens."""
+  del keys                                  # the kernels read u (`reads_keys` False)
+  st = static(call.length, call.heads, call.key_dim, eta=call.eta, d_min=call.d_min, d_max=call.d_max,
+              mode=call.mode, segments=call.segments, config=config, interpret=interpret)
   a, c = om.write_coef(st.eta, beta, n), om.erase_coef(st.eta, beta, n)
-  r = r if st.mode != "none" else None
-  o = jnp.broadcast_to(f32(d_init), (st.heads, st.key_dim)) if st.mode == "init" else None
+  codes = starts = aux = None
   if st.segments:
     codes, starts, pos, present = _codes(st, segment_ids, st.segments)
-  else:
-    codes = starts = None
-  ds = _ds(st, u, a, c, r, o, d1, codes, starts)
-  if st.segments:        # each segment's last d: one step from its last token
+    aux = (pos, present)
+  return st, (u, a, c, r, o, d1, codes, starts), aux
+
+
+def _finish(st: Static, inputs, ds, aux):
+  """(ds, d_{T+1}): the last d one step from the last token's (each segment's, packed)."""
+  u, a, c, r, o, *_ = inputs
+  if st.segments:
+    pos, present = aux
     take = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])[pos]
     d, uu, aa, cc, rr = (take(x) for x in (ds, u, a, c, r))
   else:
@@ -109,31 +108,12 @@ def _run(u, n, beta, r, d1, d_init, segment_ids, *, st: Static):
   return ds, d_last
 
 
-def d_pass(u, n, beta, retention, d1, d_init, *, eta, d_min, d_max, apf_anchor, segment_ids=None, keys=None,
-           config: Config | None = None, interpret=None):
-  """OSDN's sequential d-pass with the Pallas TPU kernels (Mosaic on a TPU, TPU interpret mode on a CPU).
+BACKEND = shell.Backend(
+    name="pallas tpu", max_key_dim=MAX_KEY_DIM, default_config=default_config,
+    interpret_mode=common.default_interpret, reads_keys=lambda config: False, prepare=_prepare,
+    forward=_run_forward, forward_saving=_forward_saving, backward=_run_backward, finish=_finish)
 
-  The signature and results of `osdn_jax.dgps.precond.osdn_d_pass`:
-    u [B, T, G, K] (k ⊙ k), n [B, T, G] (max(‖k‖², 1e-12)), beta [B, T, G], retention None (r ≡ 1) or
-    [B, T, G], d1 [B, G, K] (the d of token 1), d_init [G, K] (or broadcastable; used by anchor "init" with
-    a retention); eta, d_min, d_max static numbers (bounds None: unbounded); anchor "zero" | "init".
-  Returns (ds [B, T, G, K], d_{T+1} [B, G, K]), fp32. Differentiable w.r.t. u, n, beta, retention, d1 and
-  d_init (zero gradient through clipped entries, ½ at a bound). Packed: `segment_ids` [B, T] are segment numbers
-  0..N−1 in row-major order (`osdn_jax.ops.packing.segment_index`), d1 is [N, G, K], d restarts from d1[n] at
-  segment n's first token, and the second result is each segment's last d [N, G, K] (zeros for segments without
-  tokens). interpret: None (interpret on a CPU backend), a bool or a `pltpu.InterpretParams`; config:
-  `default_config`.
-  keys: None or the keys k with u = k ⊙ k; this kernel reads u, which is formed from them (fp32) where u is None.
-  """
-  call = check_d_pass(NAME, u, n, beta, retention, d1, d_init, eta=eta, d_min=d_min, d_max=d_max,
-                      apf_anchor=apf_anchor, segment_ids=segment_ids, keys=keys, max_key_dim=MAX_KEY_DIM)
-  if u is None:
-    u = jnp.square(jnp.asarray(keys, jnp.float32))
-  interpret = common.default_interpret(interpret)
-  config = config or default_config(None, device_kind(interpret))
-  st = static(call.length, call.heads, call.key_dim, eta=call.eta, d_min=call.d_min, d_max=call.d_max,
-              mode=call.mode, segments=call.segments, config=config, interpret=interpret)
-  return _run(u, n, beta, retention, d1, jnp.asarray(d_init), segment_ids, st=st)
+d_pass = bind(shell.d_pass, BACKEND, __name__)
 
 
 def supports(spec: Spec) -> bool:
