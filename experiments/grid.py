@@ -31,6 +31,7 @@ kv ∈ {32, 64, 128, 256}.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -42,6 +43,7 @@ from concurrent import futures
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import flags
 from flax import nnx
@@ -221,6 +223,43 @@ def _unstack(tree, i):
   return jax.tree.map(lambda x: x[i], tree)
 
 
+def _compile(graph, make, positions: int):
+  """The group's jitted programs: chunk (states, lrs, tokens, labels, rows [n, cells, batch]) → (states, losses
+  [n, cells]), n steps of every cell (`make(lr)` its optimiser; the states donated); and accuracy (params, tokens,
+  labels [cells, N, L]) → (correct, scored) [cells] at the first `positions` scored positions of each row."""
+
+  def cell_step(state, batch, lr):
+    step = make_train_step(graph, make(lr), loss_chunk=positions, loss_positions=positions)
+    return step(state, batch, segments_per_row=1)   # one sequence per row: the unpacked solves
+
+  def chunk(states, lrs, tokens, labels, order):
+    def body(states, rows):
+      batch = jax.vmap(_batch)(tokens, labels, rows)
+      states, metrics = jax.vmap(cell_step)(states, batch, lrs)
+      return states, metrics["loss"]
+    return jax.lax.scan(body, states, order)
+
+  def cell_accuracy(params, tokens, labels):
+    model = nnx.merge(graph, params)
+    batch = _batch(tokens, labels, jnp.arange(tokens.shape[0]))
+    at = scored_positions(batch["loss_mask"], positions)
+    hidden = jnp.take_along_axis(model.hidden(batch["tokens"]), at[..., None], axis=1)
+    logits = jnp.einsum("bpd,vd->bpv", hidden, params["embed"].astype(hidden.dtype))
+    target = jnp.take_along_axis(batch["targets"], at, axis=1)
+    mask = jnp.take_along_axis(batch["loss_mask"], at, axis=1)
+    return jnp.sum((jnp.argmax(logits, -1) == target) * mask), jnp.sum(mask)
+
+  return jax.jit(chunk, donate_argnums=0), jax.jit(jax.vmap(cell_accuracy))
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(graph, optimizer_json: str, steps: int, positions: int):
+  """`_compile` with the trainer's optimiser (`optim.make_at` of the config `optimizer_json` over `steps`), shared by
+  the groups of one model and protocol in a process (jax.jit compiles each once per shape)."""
+  opt = ml_collections.ConfigDict(json.loads(optimizer_json))
+  return _compile(graph, lambda lr: optim.make_at(opt, steps, lr), positions)
+
+
 class Group:
   """The cells of one (variant, L, kv) at one protocol, trained side by side (module docstring)."""
 
@@ -237,24 +276,11 @@ class Group:
     self.graph = graphdef(self.model_cfg)
     self.chunk_steps = math.gcd(chunk_steps, protocol.eval_every, protocol.steps)
     opt, steps = self.config.optimizer, protocol.steps
-    make = self.make_optimizer = optimizer or (lambda lr: optim.make_at(opt, steps, lr))
-    positions = self.config.loss_positions
-    graph = self.graph
-
-    def cell_step(state, batch, lr):
-      step = make_train_step(graph, make(lr), loss_chunk=positions, loss_positions=positions)
-      return step(state, batch, segments_per_row=1)   # one sequence per row: the unpacked solves
-
-    def chunk(states, lrs, tokens, labels, order):
-      def body(states, rows):
-        batch = jax.vmap(_batch)(tokens, labels, rows)
-        states, metrics = jax.vmap(cell_step)(states, batch, lrs)
-        return states, metrics["loss"]
-      return jax.lax.scan(body, states, order)
-
-    # (states, lrs, tokens, labels, rows [n, cells, batch]) → (states, losses [n, cells]): n steps of every cell
-    self.chunk = jax.jit(chunk, donate_argnums=0)
-    self._accuracy = jax.jit(jax.vmap(self._cell_accuracy, in_axes=(0, 0, 0)))
+    self.make_optimizer = optimizer or (lambda lr: optim.make_at(opt, steps, lr))
+    if optimizer is None:       # the trainer's optimiser: one program per (model, optimiser config, steps, positions)
+      self.chunk, self._accuracy = _programs(self.graph, opt.to_json(), steps, self.config.loss_positions)
+    else:
+      self.chunk, self._accuracy = _compile(self.graph, self.make_optimizer, self.config.loss_positions)
     seeds = sorted({c.seed for c in cells})
     self.data = {}   # seed → ((train inputs, labels), (test inputs, labels)), int32 [rows, L] each
     for s in seeds:
@@ -266,17 +292,6 @@ class Group:
                         context_reads=protocol.reads)
       self.data[s] = (mqar_rows(train, protocol.train_examples, workers), mqar_rows(test, protocol.test_examples))
     self.small = np.int16 if protocol.vocab_size < 2**15 else np.int32
-
-  def _cell_accuracy(self, params, tokens, labels):
-    """(correct, scored) over test rows [N, L] at the first kv scored positions of each row."""
-    model = nnx.merge(self.graph, params)
-    batch = _batch(tokens, labels, jnp.arange(tokens.shape[0]))
-    at = scored_positions(batch["loss_mask"], self.config.loss_positions)
-    hidden = jnp.take_along_axis(model.hidden(batch["tokens"]), at[..., None], axis=1)
-    logits = jnp.einsum("bpd,vd->bpv", hidden, params["embed"].astype(hidden.dtype))
-    target = jnp.take_along_axis(batch["targets"], at, axis=1)
-    mask = jnp.take_along_axis(batch["loss_mask"], at, axis=1)
-    return jnp.sum((jnp.argmax(logits, -1) == target) * mask), jnp.sum(mask)
 
   def accuracy(self, states, tests) -> np.ndarray:
     correct = total = 0
