@@ -12,8 +12,8 @@ and protocol, one figure of the cuts (grid.png) and the learning curves (curves.
 The cells of one (variant, L, kv) — the learning rates and seeds — train together: their parameters and optimiser
 states are stacked on a leading cell axis and one jitted `lax.scan` runs `chunk_steps` steps of all of them
 (`jax.vmap` over the trainer's own step, `osdn_jax.train.step.make_train_step`, with the trainer's optimiser
-`osdn_jax.train.optim.make` at each cell's learning rate and the trainer's loss on the scored positions). The
-training rows live on the device (zoology's generator, `osdn_jax.data.MQARSource`, seeded by the cell's seed as the
+`osdn_jax.train.optim.make` at each cell's learning rate and the trainer's loss on the scored positions; groups of
+one model and protocol share that program within a process, `_programs`). The training rows live on the device (zoology's generator, `osdn_jax.data.MQARSource`, seeded by the cell's seed as the
 trainer seeds it), and each step's rows are drawn from them with replacement (`--order=replacement`, the default) or
 in a new permutation every epoch (`--order=epoch`); docs/experiments.md says why the order matters.
 
