@@ -11,7 +11,8 @@ The pipeline (plain JAX around the kernels, differentiated by autodiff): packed 
 (`wrapper_math.to_row`) → a traced scale folded into q → T zero-padded to a multiple of the chunk (β = 0, g = 0:
 padded tokens leave the state unchanged), K and V to the backend's widths → β head-major, the scalar decay clamped
 and cumsummed within chunks (per channel: the backend's `channel_decay`) → the initial state padded
-(`state_in`) → the custom_vjp around the backend's kernels → the final states (`state_out`) and the rows back.
+(`state_in`) → the custom_vjp around the backend's kernels (`shells.kernels`, as every op's) → the final states
+(`state_out`) and the rows back.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import shells
 from pallas_kernels import wrapper_math as wm
 from pallas_kernels.arrays import check_segment_ids, default_interpret, device_kind, scale_parts
 
@@ -110,32 +111,37 @@ def check_solve(where: str, q, k, v, beta, k_write, log_decay, initial_state, ro
                      f"{initial_state.shape}")
 
 
-# The custom_vjp around a backend's kernels. `g`: the padded per-channel log-decays when an undifferentiated
-# forward runs at a wider chunk (else None); under autodiff it is unused and its cotangent a symbolic zero.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _solve(backend: Backend, st: Static, q, k, kw, v, beta, G, g, S0, info):
-  return backend.forward(st, q, k, kw, v, beta, G, g, S0, info)
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """A backend's kernels in the form `shells.kernels` differentiates. inputs: (q, k, kw, v, beta, G, g, S0, info);
+  `g`, the padded per-channel log-decays of an undifferentiated wider forward (else None), is read by `forward`
+  only: under autodiff it is unused, its cotangent a symbolic zero, and it is not saved (`kept`)."""
+  backend: Backend
+
+  def forward(self, st: Static, inputs):
+    return self.backend.forward(st, *inputs)
+
+  def forward_saving(self, st: Static, inputs):
+    q, k, kw, v, beta, G, _, S0, info = inputs
+    o, S_T, saved = self.backend.forward_saving(st, q, k, kw, v, beta, G, None, S0, info)
+    return (o, S_T), saved
+
+  def kept(self, inputs):
+    return inputs[:6] + (None,) + inputs[7:]
+
+  def backward(self, st: Static, inputs, saved, cts):
+    q, k, kw, v, beta, G, _, S0, info = inputs
+    dq, dk, dkw, dv, dbeta, dG, dS0 = self.backend.backward(st, (q, k, kw, v, beta, G, S0, info), saved, cts)
+    dq, dk = wm.group_sum(dq, st.heads).astype(q.dtype), wm.group_sum(dk, st.heads).astype(k.dtype)
+    if kw is not None:
+      dkw = wm.group_sum(dkw, kw.shape[2]).astype(kw.dtype)
+    return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, None, None if S0 is None else dS0, None
 
 
-def _solve_fwd(backend, st, q, k, kw, v, beta, G, g, S0, info):
-  o, S_T, saved = backend.forward_saving(st, q, k, kw, v, beta, G, None, S0, info)
-  if backend.name_residual:
-    # Saving it (and the inputs) spares the backward a rerun of the forward's costly part.
-    saved = checkpoint_name(saved, RESIDUAL_NAME)
-  return (o, S_T), (q, k, kw, v, beta, G, S0, info, saved)
-
-
-def _solve_bwd(backend, st, res, cts):
-  *inputs, saved = res
-  q, k, kw, v, beta, G, S0, info = inputs
-  dq, dk, dkw, dv, dbeta, dG, dS0 = backend.backward(st, tuple(inputs), saved, cts)
-  dq, dk = wm.group_sum(dq, st.heads).astype(q.dtype), wm.group_sum(dk, st.heads).astype(k.dtype)
-  if kw is not None:
-    dkw = wm.group_sum(dkw, kw.shape[2]).astype(kw.dtype)
-  return dq, dk, dkw, dv.astype(v.dtype), dbeta, dG, None, None if S0 is None else dS0, None
-
-
-_solve.defvjp(_solve_fwd, _solve_bwd)
+def _solve(backend: Backend, st: Static, *inputs):
+  """(o, S_T) of the backend's kernels, differentiated by its backward (`shells.kernels`), the forward's saved
+  intermediate named `RESIDUAL_NAME` where the backend names it."""
+  return shells.kernels(_Kernels(backend), st, RESIDUAL_NAME if backend.name_residual else None, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "scale", "chunk_size", "forward_chunk", "config",

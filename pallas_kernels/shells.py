@@ -1,6 +1,7 @@
-"""What the shells of the preconditioners' passes share (`d_pass_shell`, `guard_shell`, `precond_shell`): the
-`Backend` record's common fields, the `jax.custom_vjp` around a backend's kernels with their saved intermediates
-named for rematerialisation, and `bind`, which makes a shell's entry point a backend's own function.
+"""What the ops' shells share. The `jax.custom_vjp` around a backend's kernels with their saved intermediates named
+for rematerialisation serves every op (`delta_rule_shell`, `d_pass_shell`, `guard_shell`, `precond_shell`); the
+preconditioners' passes also share the `Backend` record's common fields and `bind`, which makes a shell's entry
+point a backend's own function.
 
 The differentiation skeleton of every such op is
     differentiable XLA before the kernels (the backend's `prepare`) → `kernels` (this module's custom_vjp around
@@ -8,7 +9,9 @@ The differentiation skeleton of every such op is
 with the backend's functions of these signatures (`inputs`: a tuple of arrays or None, the kernels' arguments):
     forward(st, inputs) → outputs;   forward_saving(st, inputs) → (outputs, saved);
     backward(st, inputs, saved, cotangents of outputs) → a cotangent (or None) per entry of inputs.
-The custom_vjp saves the inputs and `saved` (what the backward reads beside them), `saved` named `residual_name`.
+The custom_vjp saves the inputs and `saved` (what the backward reads beside them), `saved` named `residual_name`
+(None: not named). A backend whose forward reads inputs its backward does not may define kept(inputs) → the
+inputs with None in their place: only those are saved.
 """
 from __future__ import annotations
 
@@ -42,16 +45,18 @@ class Backend:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def kernels(backend, st, residual_name: str, inputs: tuple):
+def kernels(backend, st, residual_name: str | None, inputs: tuple):
   """backend.forward(st, inputs), differentiated by backend.backward (`st` hashable: everything static)."""
   return backend.forward(st, inputs)
 
 
 def _kernels_fwd(backend, st, residual_name, inputs):
   outputs, saved = backend.forward_saving(st, inputs)
-  # Named for rematerialisation policies: saved, they spare the backward a rerun of the forward's kernels.
-  saved = jax.tree.map(lambda x: checkpoint_name(x, residual_name), saved)
-  return outputs, (inputs, saved)
+  if residual_name:
+    # Named for rematerialisation policies: saved, they spare the backward a rerun of the forward's kernels.
+    saved = jax.tree.map(lambda x: checkpoint_name(x, residual_name), saved)
+  kept = getattr(backend, "kept", None)
+  return outputs, (inputs if kept is None else kept(inputs), saved)
 
 
 def _kernels_bwd(backend, st, residual_name, res, cts):
