@@ -324,11 +324,12 @@ class Group:
       out.append(np.asarray(loss))
     return np.concatenate(out)
 
-  def run(self, log=print, partial: pathlib.Path | None = None) -> list[dict]:
+  def run(self, log=print, partial: pathlib.Path | None = None, keep=None) -> list[dict]:
     """Trains the cells; returns one result dict per cell. partial: a directory where the group's state
     (parameters, optimiser state, step and curves) is saved at every point of the learning curve with the trainer's
     checkpoints (`osdn_jax.train.checkpoints`: written whole, checksummed) and resumed from when it is there (a
-    stopped run loses at most eval_every steps); removed when the group ends."""
+    stopped run loses at most eval_every steps); removed when the group ends, after `keep(results)` has returned
+    (where the caller writes them: a run killed in between leaves the saved state, never neither)."""
     p, cells = self.protocol, self.cells
     states, tokens, labels, orders, lrs = self.start()
     put = lambda arrays: jnp.asarray(np.stack([a.astype(self.small) for a in arrays]))
@@ -339,6 +340,7 @@ class Group:
     if partial is not None:
       quiet_checkpoint_logs()
       store = Checkpoints(pathlib.Path(partial).absolute(), keep=1, async_save=False)
+      _name_cells(store.directory, [c.name(p) for c in cells])
       if (saved := _restore(store, states, log)) is not None:
         states, step, curves = saved
         log(f"  resumed at step {step}")
@@ -377,19 +379,60 @@ class Group:
                           state_norm=diag["state_norm"], cells_in_program=len(cells),
                           steps_per_s=rate, cell_steps_per_s=rate * len(cells),
                           timed_steps=self.chunk_steps * len(steady)))
+    if keep is not None:
+      keep(results)
     if store is not None:
-      _remove_saved(store)
+      store.close()
+      _remove_saved(store.directory)
     return results
 
 
-def _remove_saved(store: Checkpoints) -> None:
-  """Removes the group's saved states once it has ended, keeping any set aside as damaged (and their directory)."""
-  store.close()
-  for child in store.directory.iterdir():
-    if DAMAGED not in child.name:
-      shutil.rmtree(child) if child.is_dir() else child.unlink()
-  if not any(store.directory.iterdir()):
-    store.directory.rmdir()
+# A group's saved states being removed: each renamed to <group>-<name>.removing beside the group's directory (one
+# atomic step) and deleted there, so a kill never leaves a half-deleted checkpoint where a run looks for one.
+REMOVING = ".removing"
+# Beside each group's directory, <group>.cells names its cells (one per line): the group ended once each has its file.
+CELLS = ".cells"
+
+
+def _name_cells(directory: pathlib.Path, names: list[str]) -> None:
+  listing = directory.with_name(directory.name + CELLS)
+  temporary = listing.with_name(listing.name + ".tmp")
+  temporary.write_text("".join(f"{n}\n" for n in names))
+  temporary.replace(listing)
+
+
+def _remove_saved(directory: pathlib.Path) -> None:
+  """Removes a group's saved states (`REMOVING`) and the list of its cells, keeping any state set aside as damaged
+  (and then the group's directory)."""
+  if directory.is_dir():
+    for child in list(directory.iterdir()):
+      if DAMAGED not in child.name:
+        trash = directory.with_name(f"{directory.name}-{child.name}{REMOVING}")
+        _delete(trash)
+        child.replace(trash)
+        _delete(trash)
+    if not any(directory.iterdir()):
+      directory.rmdir()
+  directory.with_name(directory.name + CELLS).unlink(missing_ok=True)
+
+
+def _delete(path: pathlib.Path) -> None:
+  if path.is_dir():
+    shutil.rmtree(path)
+  elif path.exists():
+    path.unlink()
+
+
+def _clear_ended(out: pathlib.Path) -> None:
+  """Deletes under OUT/partial/ what a sweep killed while removing a group's saved state left: the renamed states
+  (`REMOVING`), and the saved state of a group whose every cell has its file (killed between writing the cells and
+  removing the state)."""
+  partial = out / "partial"
+  for trash in partial.glob(f"*{REMOVING}"):
+    _delete(trash)
+  for listing in partial.glob(f"*{CELLS}"):
+    if all((out / f"{name}.json").is_file() for name in listing.read_text().split()):
+      _remove_saved(listing.with_suffix(""))
 
 
 def _restore(store: Checkpoints, like, log=print):
@@ -427,6 +470,7 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
   budget_s > 0: no group starts after that many seconds. max_cells > 0: at most that many cells in one program."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
+  _clear_ended(out)
   todo = [c for c in cells if not done(out, protocol, c)]
   log(f"{len(cells) - len(todo)} of {len(cells)} cells done; {len(todo)} to train")
   start, written = time.perf_counter(), []
@@ -439,14 +483,16 @@ def sweep(protocol: Protocol, cells: list[Cell], out, *, budget_s: float = 0.0, 
       c = part[0]
       log(f"{c.variant} L={c.length} kv={c.kv}: {len(part)} cells")
       prefix = out / "partial" / hashlib.sha256(" ".join(c.name(protocol) for c in part).encode()).hexdigest()[:12]
-      results = Group(protocol, part, workers=workers).run(log=log, partial=prefix)
       where = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
-      for cell, result in zip(part, results):
-        path = out / f"{cell.name(protocol)}.json"
-        temporary = path.with_suffix(".json.tmp")      # written whole, then renamed: a kill leaves no torn cell
-        temporary.write_text(json.dumps(dict(result, **where), indent=1, default=common.jsonable) + "\n")
-        temporary.replace(path)
-        written.append(path)
+
+      def write(results, part=part):
+        for cell, result in zip(part, results):
+          path = out / f"{cell.name(protocol)}.json"
+          temporary = path.with_suffix(".json.tmp")      # written whole, then renamed: a kill leaves no torn cell
+          temporary.write_text(json.dumps(dict(result, **where), indent=1, default=common.jsonable) + "\n")
+          temporary.replace(path)
+          written.append(path)
+      results = Group(protocol, part, workers=workers).run(log=log, partial=prefix, keep=write)
       log(f"  {results[0]['steps_per_s']:.1f} steps/s of {len(part)} cells side by side: "
           f"{results[0]['cell_steps_per_s']:.0f} cell-steps/s (compilation excluded)")
   return written

@@ -228,6 +228,28 @@ def test_a_stopped_group_resumes_from_its_last_curve_point(tmp_path):
   assert not list((tmp_path / "partial").iterdir())
 
 
+def test_a_sweep_killed_while_ending_a_group_keeps_its_cells_and_clears_the_rest(tmp_path, monkeypatch):
+  """The group's state is removed only after its cells are written: a sweep stopped in between leaves both, and the
+  next sweep trains nothing and deletes that state, and what a removal stopped midway had renamed."""
+  cells = grid.cells_of(["dn"], [(16, 2)], [1e-2], [0])
+  removed = grid._remove_saved
+
+  def stopped(directory):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(grid, "_remove_saved", stopped)
+  with pytest.raises(KeyboardInterrupt):
+    grid.sweep(TINY, cells, tmp_path, log=lambda *_: None)
+  monkeypatch.setattr(grid, "_remove_saved", removed)
+  assert grid.done(tmp_path, TINY, cells[0])
+  (group,) = [d for d in (tmp_path / "partial").iterdir() if d.is_dir()]
+  assert [d.name for d in group.iterdir()] == ["3"]            # saved at step 3 of 6
+  (tmp_path / "partial" / f"{group.name}-2{grid.REMOVING}").mkdir()
+  logs = []
+  assert grid.sweep(TINY, cells, tmp_path, log=logs.append) == []
+  assert "1 of 1 cells done; 0 to train" in logs
+  assert not list((tmp_path / "partial").iterdir())
+
+
 def test_cli_smoke_trains_skips_and_reports(tmp_path):
   """`python -m experiments.grid --smoke` writes a JSON per cell and grid.md; run again, it trains nothing."""
   import os
