@@ -85,6 +85,7 @@ def absl_flags():
 
 
 # -- the experiments and prepare --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_experiment_flags_that_cannot_work_are_one_line_before_any_work(tmp_path):
   """--kv that fits no length (recall), --pairs that does not parse (grid) and a needle depth outside [0, 1]
   (passkey) are usage errors (exit status 2) naming the flag, before anything is trained or written."""
@@ -151,6 +152,7 @@ def test_old_flag_spellings_are_the_config_fields_they_name(absl_flags):
     config.translate(["clip", "--steps=3"], config.to_config(clip.Clip()))
 
 
+@pytest.mark.slow
 def test_prepare_errors_are_one_line_and_leave_no_output(tmp_path):
   """A tokenizer.json that is not JSON is named (exit status 1); a bad --validation is a usage error (2); --debug
   shows the traceback; no --out is left behind."""
@@ -186,6 +188,7 @@ def test_prepare_names_a_tokenizer_that_is_not_utf8_and_refuses_arguments_as_usa
 
 
 # -- the trainer --------------------------------------------------------------------------------------------------
+@pytest.mark.slow     # `make test`: the other programs' one-line errors and the trainer's config checks in process
 def test_trainer_errors_are_one_line(tmp_path):
   """A work directory another trainer holds (`WorkdirLockedError`), a token id outside the vocabulary
   (`TokenIdError`), a non-finite state (`NonFiniteError`, a learning rate of 1e39) and an --imports module that

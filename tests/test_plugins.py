@@ -48,6 +48,7 @@ def _parse_config(argv, monkeypatch):
 
 
 # -- the trainer -------------------------------------------------------------------------------------------
+@pytest.mark.slow     # `make test`: registration and lookup by the public names in process
 def test_trainer_trains_a_point_an_imported_module_registers(tmp_path):
   """--imports=my_points with my_points.py in the current directory: my-pgdn-tiny trains two steps, with a point
   option the config did not hold (`x`), and config.json records both."""
@@ -64,6 +65,7 @@ def test_trainer_trains_a_point_an_imported_module_registers(tmp_path):
   assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_trainer_names_a_module_it_cannot_import(tmp_path):
   out = _run(["osdn_jax.train", "--imports=no_such_points", "--config=tiny", "--workdir=run"], tmp_path)
   assert out.returncode != 0

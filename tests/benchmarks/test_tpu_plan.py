@@ -98,6 +98,7 @@ def test_hlo_counter():
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_plan_small_shape():
   """The gdn rows (Pallas forward, modelled and compiled forward + backward, XLA forward and forward + backward)
   compiled for one v5p chip: every row reported with positive times, the kernel model equal to the custom call's

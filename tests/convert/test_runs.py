@@ -25,6 +25,7 @@ def _tokens(tmp_path):
   return tmp_path / "tokens"
 
 
+@pytest.mark.slow     # `make test`: the conversions in process (round trips, golden logits, refusals)
 def test_run_loads_evaluates_generates_and_goes_back(tmp_path):
   model = helpers.model("pkda", vocab_size=256)
   convert.save_fla(model, tmp_path / "fla")

@@ -309,6 +309,7 @@ def test_a_truncated_shard_is_named(prepared, tmp_path):
     data.TokenRows(copy, "train", 65)
 
 
+@pytest.mark.slow     # `make test`: evaluation on prepared token shards (tests/train/test_eval.py)
 def test_a_few_training_steps_on_prepared_shards(prepared, tmp_path):
   from osdn_jax.train import configs, loop
   c = configs.get_config("tiny")

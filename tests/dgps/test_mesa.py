@@ -184,6 +184,7 @@ def test_bf16_inputs_with_extreme_gates_stay_finite_and_match_the_oracle():
     assert close(grads[n], g_r[n], 3e-2, 1e-5), n
 
 
+@pytest.mark.slow     # `make test`: the point against its serial composition (test_points) and the tests here
 def test_the_point_passes_check_point_and_decodes():
   report = dgps.check_point(dgps.get("mesa"), dgps.Dims(heads=2, value_heads=4, key_dim=8, value_dim=8), length=9)
   assert report["ok"], report

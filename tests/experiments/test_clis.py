@@ -36,7 +36,7 @@ def _run(module: str, out: pathlib.Path, cache: str, *args: str) -> subprocess.C
   return done
 
 
-@pytest.mark.parametrize("name", ["mqar", "demo",
+@pytest.mark.parametrize("name", [pytest.param("mqar", marks=pytest.mark.slow), "demo",
                                   pytest.param("recall", marks=pytest.mark.slow),
                                   pytest.param("passkey", marks=pytest.mark.slow),
                                   pytest.param("lm", marks=[needs_corpus, pytest.mark.slow]),
@@ -193,6 +193,7 @@ def test_lm_reports_each_variant_over_its_seeds():
   assert "| dn | 1.5000 | 1.0000 | 1.0000 / 2.0000 / 1.5000 |" in text and "seeds 0, 1, 2" in text
 
 
+@pytest.mark.slow
 def test_lm_merges_a_one_seed_file_with_other_seeds(tmp_path, compilation_cache):
   """A file of one seed (`seed` in its settings, rows without a seed) merged with a part of another seed: one table
   over both seeds, and the command of the whole comparison."""

@@ -35,6 +35,7 @@ def test_make_at_is_make_at_that_learning_rate():
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), pa, pb)
 
 
+@pytest.mark.slow
 def test_cells_side_by_side_train_as_alone(tmp_path):
   """Two learning rates in one program give what each gives in a program of its own (the cell axis is a vmap)."""
   cells = grid.cells_of(["dn"], [(16, 2)], [3e-3, 1e-2], [0])
@@ -94,6 +95,7 @@ def test_the_oracles_optimisers():
   assert runs[0]["curve"][-1][1] != runs[1]["curve"][-1][1]
 
 
+@pytest.mark.slow
 def test_cells_run_the_unpacked_kernels():
   """A cell's rows are single sequences: its step runs the unpacked solves, which the Pallas kernels serve (the
   packed path with traced segment ids refuses `implementation="pallas"` without a static segment count)."""
@@ -250,6 +252,7 @@ def test_a_sweep_killed_while_ending_a_group_keeps_its_cells_and_clears_the_rest
   assert not list((tmp_path / "partial").iterdir())
 
 
+@pytest.mark.slow     # `make test`: the sweep in process (skips, resumes, damaged files) and `--smoke`'s flags
 def test_cli_smoke_trains_skips_and_reports(tmp_path):
   """`python -m experiments.grid --smoke` writes a JSON per cell and grid.md; run again, it trains nothing."""
   import os

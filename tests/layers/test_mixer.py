@@ -213,7 +213,7 @@ def test_bad_mixer_configs_name_the_field():
     layers.MixerConfig("gdn", d_model=64, num_heads=2, dtype=jnp.int32)
 
 
-@pytest.mark.parametrize("name", ["pdn", "osdn-apf-kda"])
+@pytest.mark.parametrize("name", [pytest.param("pdn", marks=pytest.mark.slow), "osdn-apf-kda"])
 def test_diagnostics_recall_residual_weights(name):
   """The recall residual averages over the weighted positions of the rows that have any: weights of ones equal
   no weights, scaling them changes nothing, a row with zero weight drops out (as if it were not in the batch),

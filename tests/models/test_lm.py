@@ -152,6 +152,7 @@ def test_bf16_compute_keeps_fp32_parameters():
   assert rel_rms(y16, y32) < 3e-2
 
 
+@pytest.mark.slow
 def test_unrolled_layers_equal_the_scan():
   """`scan_layers=False` computes the function and gradients of the scanned stack, without the loop over layers."""
   scanned, unrolled = _tiny("pgdn"), _tiny("pgdn", scan_layers=False)
@@ -165,6 +166,7 @@ def test_unrolled_layers_equal_the_scan():
   assert loops(graph_u) < loops(graph_s)
 
 
+@pytest.mark.slow     # `make test`: PDN with x = 1 is its backbone (tests/dgps/test_points.py)
 def test_pgdn_with_a_unit_key_scale_is_gdn():
   """PDN's key scale lies in [1/x, x], so at x = 1 the write key is the key: PGDN is then GDN plus parameters that
   change nothing (its preconditioner's gates and center). With GDN's parameters copied from it, the logits and the

@@ -109,12 +109,14 @@ ALL = ["dn", "gdn", "kda", "pdn", "pgdn", "pkda", "osdn", "osdn-gdn", "osdn-kda"
        "osdn-apf-kda", "dn-fixed-d", "la", "retnet", "mamba2", "gla", "pla", "pmamba2", "pgla", "longhorn", "nlms"]
 
 
+@pytest.mark.slow     # `make test`: packed segments over context shards (tests/dgps/test_faults.py, test_compose.py)
 def test_context_parallel_values_equal_the_oracle():
   """Outputs and final states (solve and preconditioner) of the split solve against the fp64 oracle, packed
   (segments spanning shards, starting on a shard boundary, of one token) and not, with initial states."""
   _run("values", QUICK, "xla", 1e-9)
 
 
+@pytest.mark.slow     # `make test`: the values; the gradients of packed segments (tests/dgps/test_faults.py)
 def test_context_parallel_gradients_equal_the_unsplit_ones():
   """Every input gradient (q, k, v, features, parameters, initial states) through the ring and the gathered
   state maps equals the unsplit XLA path's: a per-channel decay with OSDN-APF's carry (the slow step: the

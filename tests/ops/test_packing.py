@@ -125,9 +125,12 @@ def check_no_gradient_crosses(fn, arrays, m, nonzero=True):
 
 CASES = [(solve, decay, "S0") for solve in ("online", "offline") for decay in ("none", "scalar", "channel")]
 CASES += [("online", "channel", "zeros"), ("offline", "scalar", "zeros")]
+# `make test`: every solve, decay and initial state once; the slow step: every case.
+_COVERING = {("online", "none", "S0"), ("offline", "scalar", "S0"), ("online", "channel", "zeros")}
 
 
-@pytest.mark.parametrize("solve,decay,initial", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("solve,decay,initial", [
+    pytest.param(*c, id="-".join(c), marks=[] if c in _COVERING else [pytest.mark.slow]) for c in CASES])
 def test_packed_equals_each_segment_alone(solve, decay, initial):
   """xla and naive: outputs, final states and all gradients; and for xla no gradient crosses a boundary
   (row 0's segment [65, 99) crosses the chunk edge at 96; row 1's second segment has length 1)."""
@@ -212,7 +215,8 @@ def test_packed_initial_state_and_implementation_are_checked():
 
 # The Pallas GPU kernels (interpret mode on CPU) lay the segments out chunk-aligned
 # (pallas_kernels/packed.py).
-@pytest.mark.parametrize("decay", ["none", "scalar", "channel"])
+@pytest.mark.parametrize("decay", [pytest.param("none", marks=pytest.mark.slow),
+                                   pytest.param("scalar", marks=pytest.mark.slow), "channel"])
 def test_pallas_packed_equals_each_segment_alone(decay):
   """Values and all gradients against the fp64 segment-alone reference, per-segment initial states, value-head
   write keys (asymmetric) with GVA; no gradient crosses a boundary."""

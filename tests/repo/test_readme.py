@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -15,6 +17,7 @@ def use_snippet() -> str:
   return text[start:text.index("```\n", start)]
 
 
+@pytest.mark.slow     # a subprocess that imports and compiles afresh: the slow step
 def test_the_use_snippet_runs_as_pasted(tmp_path):
   script = tmp_path / "use.py"
   script.write_text(use_snippet())

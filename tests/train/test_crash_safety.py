@@ -170,6 +170,7 @@ def _poison(monkeypatch, at: int, poison) -> None:
   monkeypatch.setattr(loop, "make_train_step", poisoned)
 
 
+@pytest.mark.slow     # `make test`: a non-finite state is never saved (test_integrity)
 def test_a_restored_state_that_is_not_finite_falls_back(finished, tmp_path, caplog, monkeypatch):
   """A checkpoint 8 whose parameters are NaN (the state's check before the save turned off) and without
   checksums.json: `load` warns that it is unverified and names the non-finite entry, returns checkpoint 6 and
@@ -209,6 +210,7 @@ def test_a_checkpoint_without_checksums_is_called_unverified(finished, tmp_path,
 
 
 # -- the resume guard without config.json ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_resume_without_config_json_is_checked_against_the_history(finished, tmp_path, caplog):
   """config.json deleted: a resume that changes `optimizer.lr` is refused naming it (the last record of
   config_history.jsonl is the run's settings; a torn record after it is not), before any file is written; a

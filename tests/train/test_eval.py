@@ -181,6 +181,7 @@ def test_named_configs_evaluate_where_a_validation_split_is_cheap():
 
 
 # -- the command lines ------------------------------------------------------------------------------------------
+@pytest.mark.slow     # `make test`: the eval CLI's errors and help, and a checkpoint's eval in process
 def test_cli_trains_under_a_mesh_prints_a_summary_and_eval_prints_the_logged_eval(tmp_path):
   """`python -m osdn_jax.train` on 2 CPU devices (fsdp = 2) evaluates under the mesh and ends with its summary;
   `python -m osdn_jax.eval` (one device) prints the eval_loss it logged at the last step."""
@@ -210,6 +211,7 @@ def test_cli_trains_under_a_mesh_prints_a_summary_and_eval_prints_the_logged_eva
   np.testing.assert_allclose(printed["eval_loss"], rows[-1]["eval_loss"], rtol=1e-5)   # fsdp's sums vs 1 device
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_and_help_lists_the_fields(tmp_path):
   """An unknown --config name (listing the names), a work directory that is a file, a mistyped field: one line
   on stderr without a traceback, exit status 2 (usage errors), nothing written. --help exits 0 and lists the config's fields."""

@@ -75,6 +75,7 @@ def _data_positions(step_dir: pathlib.Path, processes: int) -> list[dict]:
   return [json.loads((step_dir / "data" / name).read_text()) for name in files]
 
 
+@pytest.mark.slow     # `make test`: a failure in one process ends every process
 def test_two_processes_train_and_checkpoint(two_processes):
   """Process 0 alone writes config, metrics (each step once) and events; both processes save the data position
   into every checkpoint, the same one: the global batches consumed, with no process in its signature."""

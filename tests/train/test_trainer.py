@@ -172,7 +172,8 @@ def test_loss_on_scored_positions_equals_the_full_loss():
   assert abs(float(value_grad(3)[0]) - float(full)) > 1e-3
 
 
-@pytest.mark.parametrize("variant", ["pgdn", pytest.param("osdn-apf-kda", marks=pytest.mark.slow)])
+@pytest.mark.slow     # `make test`: what each policy saves (test_solve_policies_keep_the_first_pass)
+@pytest.mark.parametrize("variant", ["pgdn", "osdn-apf-kda"])
 def test_remat_policies_equal_no_remat(variant):
   """Every policy: the same loss and the same gradient of every parameter (fp32, packed rows)."""
   rng = np.random.default_rng(1)
@@ -315,6 +316,7 @@ def _damage(step_dir: pathlib.Path) -> None:
     p.write_bytes(b"\x00garbage" * max(1, p.stat().st_size // 8))
 
 
+@pytest.mark.slow     # `make test`: test_integrity's resume from the checkpoint before a damaged one
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
   c = _tiny(steps=6, log_every=1, checkpoint_every=2)
   loop.train(_tiny(steps=6, log_every=1, checkpoint_every=2), tmp_path / "run")

@@ -135,6 +135,7 @@ def test_split_k(decay):
   _compare(p, jnp.float32, 16, config=config)
 
 
+@pytest.mark.slow     # `make test`: the per-channel tests, which "auto" runs with predecay
 def test_predecay():
   """Per-channel decay with and without `State.predecay` (the state passes read K̃ ⊙ e^{G_C − G} and
   Q ⊙ e^G formed by `decayed_tiles`, or scale K̃ and Q themselves): without it against the oracle and the XLA
@@ -347,6 +348,7 @@ def test_chunk_cumsum(chunk, kd, dtype):
     chunk_cumsum(g[:, :chunk + 1], 16, -30.0, interpret=True)
 
 
+@pytest.mark.slow
 def test_log_decay_dtypes():
   """Per-channel log-decays in bf16, fp16 or fp64 give the results of their fp32 values (the wrapper hands the
   cumsum kernel bf16 as it is and casts the others to fp32); d log_decay comes back in the input's dtype."""
@@ -372,7 +374,7 @@ def test_scalar_chunk_cumsum():
   np.testing.assert_allclose(grad(lambda g: _chunk_cumsum(g, 16)), grad(ref), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("decay", ["scalar", "channel"])
+@pytest.mark.parametrize("decay", [pytest.param("scalar", marks=pytest.mark.slow), "channel"])
 def test_fused_inter_packed(decay):
   """Packed (segment resets, per-segment initial states), the inter-chunk output formed by the state pass
   (`State.fuse_inter`; per channel also `predecay`'s tiles) equals the

@@ -127,7 +127,8 @@ def test_matches_scan(case):
 
 @pytest.mark.parametrize("T,K,config", [
     (64, 16, osdn.Config(block_t=4, tables="kernel")), (5, 24, osdn.Config(block_t=8, tables="kernel")),
-    (37, 16, osdn.Config(block_t=8, solve_t_init=16, tables="kernel", share_inverse=False)),
+    pytest.param(37, 16, osdn.Config(block_t=8, solve_t_init=16, tables="kernel", share_inverse=False),
+                 marks=pytest.mark.slow),
     (50, 16, osdn.Config(block_t=4, solve_t_init=16, tables="xla"))])
 def test_block_boundaries(T, K, config):
   """T a multiple of the token block and of the 32-token block solve (no tail), T shorter than one block
@@ -227,8 +228,8 @@ def test_retentions_of_zero_and_one_pass_every_block(anchor):
   _assert_close(got, want, names)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "zero",
-                                  pytest.param("init", marks=pytest.mark.slow)])
+@pytest.mark.slow     # `make test`: the conformance base's clipped d-pass runs the chain and its restarts
+@pytest.mark.parametrize("mode", ["none", "zero", "init"])
 def test_chain_and_restart(mode):
   """The forward's chain and expansion (`forward._chained`: the d entering each block by the unclipped block
   recurrence, then every block's rows and checks in parallel), then the sequential kernel from each (batch,
@@ -331,7 +332,8 @@ def test_spanned_chain(mode):
   _assert_close(got, want, names)
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) for m in ("none", "zero")] + ["init"])
+@pytest.mark.slow     # the span form, an option the default leaves off
+@pytest.mark.parametrize("mode", ["none", "zero", "init"])
 def test_spanned_backward(mode):
   """The backward's chain over spans (`Config.spans` = 2, every block flagged, so the `lax.cond` takes it):
   the spans' maps in reverse, the tail and the pass across spans, the blocks per span, then the

@@ -64,7 +64,8 @@ CASES = {   # (B, T, H, K, square, initial state, extreme gates, dtype, config)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# `make test`: all but the bf16 case with v6e's blocks (the slow step: every case).
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if "bf16" in c else []) for c in CASES])
 def test_interpret_parity(case, races):
   """Interpret mode against the fp32 XLA path and fp64: every output and gradient within 2e-6 relative RMS (bf16 x
   is read as is and the references square the same bf16 values; dx is rounded to bf16, within 2⁻⁸)."""
@@ -171,12 +172,13 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (the tpu-aot extra)")
 
 
-# `make test`: v5p and v6e at the first shape (a v5e chip: test_odd_shapes_compile_for_tpu); the slow step: the rest.
+# `make test`: a v5e chip at odd shapes (test_odd_shapes_compile_for_tpu); the slow step: every chip and shape.
 @needs_libtpu
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [pytest.param(BENCH["B4-T4096-H16-K128"], id="B4-T4096-H16-K128"),
                                    pytest.param(BENCH["B1-T32768-H8-K128"], id="B1-T32768-H8-K128",
                                                 marks=pytest.mark.slow)])
-@pytest.mark.parametrize("topology", [pytest.param("v5e:1x1", marks=pytest.mark.slow), "v5p:1x1x1", "v6e:1x1"])
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v5p:1x1x1", "v6e:1x1"])
 def test_compiles_for_tpu(topology, shape, record_property, capsys):
   """bf16 keys, fp32 gates and state: `value_and_grad` of the kernel's outputs (forward and reverse kernel) compiled
   for one chip with that generation's block sizes. The program's temporaries are the saved A and λ (fp32) and

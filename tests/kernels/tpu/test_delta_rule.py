@@ -140,7 +140,8 @@ def _packed_ids(seed):
   return np.stack([5 + 2 * np.repeat(np.arange(len(r)), r) for r in rows]).astype(np.int32)
 
 
-@pytest.mark.parametrize("decay", [pytest.param("none", marks=pytest.mark.slow), "scalar", "channel"])
+@pytest.mark.parametrize("decay", [pytest.param("none", marks=pytest.mark.slow),
+                                   pytest.param("scalar", marks=pytest.mark.slow), "channel"])
 def test_packed(decay, races):
   """Packed sequences (segment-aligned chunks in one row, per-segment initial and final states) against the fp64
   oracle run per segment: outputs, final states and every gradient; value-head write keys with GVA."""

@@ -59,7 +59,7 @@ CASES = {
     "T200-K20-packed-apf_init-clip": (2, 200, 2, 20, True, "init", 12.0, 0.2, 1.6, True),
     "T37-K16-packed-r1-clip": (2, 37, 2, 16, False, "zero", 8.0, 0.0, 2.0, True),
 }
-SLOW = ("T300-K128-G16-r1-clip", "T150-K16-apf_init-upper", "T150-K16-apf_zero-noclip")
+SLOW = ("T300-K20-apf_init-clip", "T300-K128-G16-r1-clip", "T150-K16-apf_init-upper", "T150-K16-apf_zero-noclip")
 
 
 def _packed_ids(T):
@@ -200,17 +200,21 @@ def _lower(topology, shapes, fn, grad: bool):
     return jax.jit(f).lower(*sds).compile(), device
 
 
-# `make test`: v5p and v6e at the first shape (a v5e chip: test_odd_and_packed_shapes_compile_for_tpu); the slow
-# step: the rest.
+_FORMS = {"tokens": osdn.Config(), "blocks16": osdn.Config(form="blocks", block_t=16),
+          "blocks32": osdn.Config(form="blocks", block_t=32)}
+# `make test`: the 16-token block form on v6e at the first shape (the token form on a v5e chip:
+# test_odd_and_packed_shapes_compile_for_tpu); the slow step: every form on every chip at both shapes.
+_QUICK = {("blocks16", "v6e:1x1")}
+
+
 @needs_libtpu
 @pytest.mark.parametrize("shape", [pytest.param(BENCH["B4-T4096-H16-K128"], id="B4-T4096-H16-K128"),
                                    pytest.param(BENCH["B1-T32768-H8-K128"], id="B1-T32768-H8-K128",
                                                 marks=pytest.mark.slow)])
-@pytest.mark.parametrize("topology", [pytest.param("v5e:1x1", marks=pytest.mark.slow), "v5p:1x1x1", "v6e:1x1"])
-@pytest.mark.parametrize("config", [pytest.param(osdn.Config(), id="tokens"),
-                                    pytest.param(osdn.Config(form="blocks", block_t=16), id="blocks16"),
-                                    pytest.param(osdn.Config(form="blocks", block_t=32), id="blocks32",
-                                                 marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config,topology", [
+    pytest.param(config, topology, id=f"{form}-{topology}",
+                 marks=[] if (form, topology) in _QUICK else [pytest.mark.slow])
+    for form, config in _FORMS.items() for topology in ("v5e:1x1", "v5p:1x1x1", "v6e:1x1")])
 def test_compiles_for_tpu(config, topology, shape, record_property, capsys):
   """The forward alone and `value_and_grad` (forward and backward kernel) with an APF retention, anchor "init" and
   the default clip [0, 8], compiled for one chip, in the token form and the block form (L = 16, 32). The gradient

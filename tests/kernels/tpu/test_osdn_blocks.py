@@ -151,7 +151,7 @@ CASES = {
     "T200-K20-G3-apf_init-noclip": (2, 200, 3, 20, True, "init", 0.8, None, None, 16, 8, 8),
     "T37-K16-G12-r1-clip": (1, 37, 12, 16, False, "zero", 8.0, 0.0, 2.0, 32, 8, 8),
 }
-SLOW = tuple(CASES)[3:]
+SLOW = (tuple(CASES)[0],) + tuple(CASES)[3:]
 
 
 def _fn(names, impl, kw, config=None, dtype=F32):
@@ -225,6 +225,7 @@ def _block_max(d_bar, L):
   return np.max(d_bar[:d_bar.shape[0] // L * L].reshape(d_bar.shape[0] // L, -1), axis=1)
 
 
+@pytest.mark.slow     # `make test`: the clipped parity case, whose blocks fall back where the clip acts
 def test_fallback_only_where_the_clip_acts(monkeypatch, seed, races):
   """With d_max between the two largest block maxima of the unclipped d̄, the clip acts in a few blocks: the block
   form's ds and d_{T+1} equal the token form's; with the fallback marked, the blocks where some d̄ reaches d_max
