@@ -417,21 +417,23 @@ def _remove_saved(directory: pathlib.Path) -> None:
 
 
 def _delete(path: pathlib.Path) -> None:
+  """Deletes a file or a directory tree, if there (another sweep on the same OUT may be deleting it too)."""
   if path.is_dir():
-    shutil.rmtree(path)
-  elif path.exists():
-    path.unlink()
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    path.unlink(missing_ok=True)
 
 
 def _clear_ended(out: pathlib.Path) -> None:
   """Deletes under OUT/partial/ what a sweep killed while removing a group's saved state left: the renamed states
-  (`REMOVING`), and the saved state of a group whose every cell has its file (killed between writing the cells and
-  removing the state)."""
+  (`REMOVING`), and the saved state of a group whose every cell has a readable file (killed between writing the
+  cells and removing the state)."""
   partial = out / "partial"
   for trash in partial.glob(f"*{REMOVING}"):
     _delete(trash)
   for listing in partial.glob(f"*{CELLS}"):
-    if all((out / f"{name}.json").is_file() for name in listing.read_text().split()):
+    cells = [out / f"{name}.json" for name in listing.read_text().split()]
+    if all(c.is_file() and _read_cell(c) is not None for c in cells):
       _remove_saved(listing.with_suffix(""))
 
 
